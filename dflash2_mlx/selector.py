@@ -1,0 +1,91 @@
+"""DFlash 2's path selector: pairwise scores over each position's top-k candidates,
+then one walk from the anchor.
+
+    S_t(a, b) = U_t(b) + sum_r A[a, r] * g_t[r] * B[b, r],   g_t = hidden_projection(h_t)
+
+U_t is the drafter's own logit of candidate b at position t, A / B the predecessor /
+successor codebooks.  Position 1's only predecessor is the anchor (the last verified
+token); position t > 1 takes its predecessor among position t-1's candidates.
+
+Walk rules, shared by the Metal kernel and this twin:
+- greedy (temperature 0): argmax of the row, ties go to the lowest candidate index
+  (candidates are ordered by descending drafter logit, so the drafter's preference wins);
+- sampled: p = softmax(row / temperature); with uniform u in [0, 1), pick the first j
+  whose cumulative sum exceeds u; if rounding leaves u above the total, the last
+  candidate with p > 0.  ``q`` returns the 16-way rows for rejection sampling.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def top_candidates(logits: mx.array, k: int):
+    """Top-k candidate ids and logits per position, by descending logit."""
+    order = mx.argsort(-logits, axis=-1)[..., :k]
+    return order, mx.take_along_axis(logits, order, axis=-1)
+
+
+def pair_scores_reference(unary, cand, gate, anchor, predecessor_codebook, successor_codebook):
+    """All pair scores S[..., t, a, b]; row a of position 0 is the anchor for every a.
+
+    unary, cand: [..., T, k]; gate: [..., T, r]; anchor: [...] token ids.
+    """
+    k = cand.shape[-1]
+    first = mx.broadcast_to(mx.expand_dims(anchor, (-1, -2)), (*cand.shape[:-2], 1, k))
+    pred = mx.concatenate([first.astype(cand.dtype), cand[..., :-1, :]], axis=-2)
+    A = predecessor_codebook[pred] * mx.expand_dims(gate, -2)  # [..., T, k, r]
+    B = successor_codebook[cand]  # [..., T, k, r]
+    pair = A.astype(mx.float32) @ B.astype(mx.float32).swapaxes(-1, -2)
+    return mx.expand_dims(unary.astype(mx.float32), -2) + pair
+
+
+def walk_reference(scores, temperature: float = 0.0, uniforms=None):
+    """Walk the lattice from the anchor.
+
+    scores: [..., T, k, k]; uniforms: [..., T] in [0, 1) when temperature > 0.
+    Returns (path [..., T] candidate indices, q [..., T, k] the rows sampled from).
+    """
+    T, k = scores.shape[-3], scores.shape[-1]
+    prev = mx.zeros(scores.shape[:-3], dtype=mx.int32)
+    path, qs = [], []
+    for t in range(T):
+        row = mx.take_along_axis(
+            scores[..., t, :, :], prev[..., None, None], axis=-2
+        ).squeeze(-2)  # [..., k]
+        if temperature == 0:
+            idx = mx.argmax(row, axis=-1).astype(mx.int32)
+            q = (mx.arange(k) == idx[..., None]).astype(mx.float32)
+        else:
+            q = mx.softmax(row / temperature, axis=-1, precise=True)
+            cdf = mx.cumsum(q, axis=-1)
+            idx = mx.sum(cdf <= uniforms[..., t : t + 1], axis=-1).astype(mx.int32)
+            last = (k - 1 - mx.argmax((q > 0)[..., ::-1], axis=-1)).astype(mx.int32)
+            idx = mx.minimum(idx, last)
+        path.append(idx)
+        qs.append(q)
+        prev = idx
+    return mx.stack(path, axis=-1), mx.stack(qs, axis=-2)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int = 256, top_k: int = 16):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = mx.random.normal((vocab_size, rank)) * rank**-0.5
+        # Zero successor codebook: scores start as the drafter's logits (v1 behaviour).
+        self.successor_codebook = mx.zeros((vocab_size, rank))
+
+    def __call__(self, logits, hidden, anchor, top_k=None):
+        """Candidates and pair scores for a drafted block.
+
+        logits: [..., T, V] at block positions 1..B-1; hidden: [..., T, H] the
+        final-normed drafter states at the same positions; anchor: [...].
+        """
+        cand, unary = top_candidates(logits, top_k or self.top_k)
+        gate = self.hidden_projection(hidden)
+        from .kernels import pair_scores
+
+        return cand, pair_scores(
+            unary, cand, gate, anchor, self.predecessor_codebook, self.successor_codebook
+        )
