@@ -1,0 +1,206 @@
+"""The DFlash / DFlash 2 drafter: Qwen3-style blocks whose attention also reads
+the target's features as extra keys and values.
+
+Block rows [anchor, MASK, ...] query; keys/values are [context rows; block rows].
+Context rows sit at absolute positions 0..S-1 and the block at S..S+B-1 (S = the
+anchor's position).  The drafter owns no embedding and no LM head: ``bind``
+attaches the target's, which stay frozen.
+"""
+
+from typing import Callable, List
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DrafterConfig
+from .conv import DynamicConv
+from .selector import CandidateSelector
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        hd = cfg.head_dim
+        self.scale = hd**-0.5
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd, base=cfg.rope_theta, traditional=False,
+            scaling_config=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def _heads(self, x, proj, n):
+        B, L, _ = x.shape
+        return proj(x).reshape(B, L, n, -1).transpose(0, 2, 1, 3)
+
+    def keys_values(self, x, offset):
+        """Rotated keys and values of rows starting at absolute position ``offset``."""
+        k = self.rope(self.k_norm(self._heads(x, self.k_proj, self.n_kv_heads)), offset=offset)
+        return k, self._heads(x, self.v_proj, self.n_kv_heads)
+
+    def __call__(self, x, ctx_keys, ctx_values, offset, mask=None):
+        B, L, _ = x.shape
+        q = self.rope(self.q_norm(self._heads(x, self.q_proj, self.n_heads)), offset=offset)
+        k, v = self.keys_values(x, offset)
+        if ctx_keys is not None:
+            k = mx.concatenate([ctx_keys.astype(k.dtype), k], axis=2)
+            v = mx.concatenate([ctx_values.astype(v.dtype), v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int):
+        super().__init__()
+        H = cfg.hidden_size
+        self.sliding = cfg.is_sliding(index)
+        self.window = cfg.sliding_window
+        self.causal = cfg.block_is_causal(index)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        if cfg.version == 2:
+            self.attention_conv = DynamicConv(H, cfg.conv_group_size, cfg.conv_kernel_size)
+            self.mlp_conv = DynamicConv(H, cfg.conv_group_size, cfg.conv_kernel_size)
+
+    def __call__(self, h, ctx_keys, ctx_values, offset, mask=None):
+        conv = "attention_conv" in self
+        x = self.input_layernorm(h)
+        if conv:
+            x, dyn = self.attention_conv.prepare(x)
+        a = self.self_attn(x, ctx_keys, ctx_values, offset, mask)
+        h = h + (self.attention_conv.finish(a, dyn) if conv else a)
+        x = self.post_attention_layernorm(h)
+        if conv:
+            x, dyn = self.mlp_conv.prepare(x)
+        m = self.mlp(x)
+        return h + (self.mlp_conv.finish(m, dyn) if conv else m)
+
+
+def block_mask(ctx_len: int, block: int, causal: bool):
+    """Boolean [block, ctx + block] mask of one drafted block; None when it sees all."""
+    if not causal:
+        return None
+    inner = mx.tril(mx.ones((block, block), dtype=mx.bool_))
+    return mx.concatenate([mx.ones((block, ctx_len), dtype=mx.bool_), inner], axis=1)
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        if cfg.version == 2:
+            self.candidate_selector = CandidateSelector(
+                H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k
+            )
+        self.activation_dtype = mx.float32
+        object.__setattr__(self, "_embed", None)
+        object.__setattr__(self, "_head", None)
+
+    @property
+    def version(self) -> int:
+        return self.config.version
+
+    def bind(self, embed: Callable, head: Callable):
+        """Use the target's (scaled) embedding and LM head; they are not drafter weights."""
+        object.__setattr__(self, "_embed", embed)
+        object.__setattr__(self, "_head", head)
+
+    def make_cache(self) -> List[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def embed(self, ids: mx.array) -> mx.array:
+        x = self._embed(ids) * self.config.input_embedding_scale
+        return x.astype(self.activation_dtype)
+
+    def logits(self, h: mx.array) -> mx.array:
+        out = self._head(h).astype(mx.float32) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    def context(self, features: mx.array) -> mx.array:
+        """Target features [.., n * H] (tapped layers concatenated) -> context rows."""
+        return self.hidden_norm(self.fc(features.astype(self.activation_dtype)))
+
+    def append_context(self, features: mx.array, cache: List[KVCache]):
+        """Add the K/V of newly committed tokens to the draft cache."""
+        if features is None or features.shape[1] == 0:
+            return
+        ctx = self.context(features)
+        offset = cache[0].offset
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, offset))
+
+    def __call__(self, block_ids: mx.array, cache: List[KVCache]) -> mx.array:
+        """Final-normed hidden states [batch, B, H] of a block whose anchor sits right
+        after the cached context."""
+        h = self.embed(block_ids)
+        offset = cache[0].offset
+        B = block_ids.shape[1]
+        for layer, c in zip(self.layers, cache):
+            k = v = None
+            if c.offset:
+                k, v = c.keys_and_values()
+                if layer.sliding and c.offset >= layer.window:
+                    k, v = k[..., -(layer.window - 1):, :], v[..., -(layer.window - 1):, :]
+            ctx_len = 0 if k is None else k.shape[2]
+            mask = block_mask(ctx_len, B, layer.causal)
+            h = layer(h, k, v, offset, mask)
+        return self.norm(h)
+
+
+def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
+    """Draft tokens for block positions 1..B-1 and the rows ``q`` they came from.
+
+    hidden: [1, B, H] drafter states of the block.  v1 picks per position (argmax or
+    a sample of the drafter's own distribution); v2 walks the selector's lattice.
+    ``q`` is [B-1, V] (None at temperature 0)."""
+    from . import kernels, sampling
+
+    h = hidden[0, 1:]
+    logits = drafter.logits(h)
+    if drafter.version == 1:
+        if params.greedy:
+            return mx.argmax(logits, axis=-1), None
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        q = sampling.probs(logprobs, params)
+        return mx.random.categorical(mx.log(q)), q
+    cand, scores = drafter.candidate_selector(logits, h, anchor)
+    uniforms = None if params.greedy else mx.random.uniform(shape=(h.shape[0],))
+    path, rows = kernels.walk(scores, params.temp, uniforms)
+    tokens = mx.take_along_axis(cand, path[:, None], axis=-1)[:, 0]
+    if params.greedy:
+        return tokens, None
+    q = mx.zeros(logits.shape, dtype=mx.float32)
+    q = mx.put_along_axis(q, cand, rows, axis=-1)
+    return tokens, q

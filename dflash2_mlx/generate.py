@@ -1,0 +1,180 @@
+"""The public surface in mlx-lm's shape: ``load``, ``stream_generate``, ``generate``."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .drafter import Drafter
+from .loading import load_drafter, quantize, resolve, set_activation_bits, validate_pair
+from .sampling import SamplingParams
+from .speculative import speculative_generate_step
+from .target import Target
+
+VERIFY_MODES = ("dflash", "off")
+
+
+@dataclass
+class GenerationResponse:
+    """mlx-lm's response fields plus the draft statistics of the generation so far."""
+    text: str
+    token: int
+    logprobs: mx.array
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: Optional[str] = None
+    accepted: int = 0  # draft tokens accepted in the cycle that produced this token
+    tau: float = 0.0  # running mean acceptance length
+    acceptance_counts: List[int] = field(default_factory=list)  # per draft position
+    cycles: int = 0
+
+
+def load(target: str, draft: Optional[str] = None, *, draft_bits: Optional[int] = None,
+         draft_group_size: int = 64, draft_activation_bits: int = 32):
+    """Load a target with mlx-lm and, optionally, its drafter (validated against it).
+
+    Returns (model, tokenizer, drafter); drafter is None without ``draft``."""
+    model, tokenizer = mlx_lm.load(str(resolve(target)))
+    drafter = None
+    if draft is not None:
+        drafter = load_drafter(draft)
+        validate_pair(model, drafter)
+        if draft_bits is not None:
+            quantize(drafter, draft_bits, draft_group_size)
+        set_activation_bits(drafter, draft_activation_bits)
+    return model, tokenizer, drafter
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    """Text, token ids, or chat messages (rendered with the chat template)."""
+    if isinstance(prompt, mx.array):
+        ids = prompt.tolist()
+    elif isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise TypeError("prompt must be text, a list of token ids, or a list of chat messages")
+    if len(ids) == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    return mx.array(ids, dtype=mx.uint32)
+
+
+def check_block_size(drafter: Drafter, block_size: Optional[int]) -> int:
+    trained = drafter.config.block_size
+    block_size = min(5, trained) if block_size is None else block_size
+    if not isinstance(block_size, int) or not 1 <= block_size <= trained:
+        raise ValueError(
+            f"block size {block_size} is impossible for this drafter: "
+            f"use 1..{trained} (its trained block size)"
+        )
+    return block_size
+
+
+def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None, *,
+                    max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0,
+                    min_p: float = 0.0, top_k: int = 0,
+                    logits_processors: Optional[List[Callable]] = None,
+                    block_size: Optional[int] = None, verify_mode: str = "dflash",
+                    seed: Optional[int] = None, prefill_step_size: int = 2048):
+    """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
+
+    With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles;
+    ``verify_mode="off"`` (or no drafter) is plain autoregressive decoding."""
+    if verify_mode not in VERIFY_MODES:
+        raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
+    if max_tokens == 0 or max_tokens < -1:
+        raise ValueError(f"max_tokens must be positive (or -1 for no limit), got {max_tokens}")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    params = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    ids = encode_prompt(tokenizer, prompt)
+    limit = max_tokens if max_tokens > 0 else float("inf")
+    if seed is not None:
+        mx.random.seed(seed)
+
+    speculative = drafter is not None and verify_mode == "dflash"
+    if speculative:
+        block_size = check_block_size(drafter, block_size)
+        target = Target(model, drafter.config.target_layer_ids)
+        drafter.bind(target.embed, target.lm_head)
+        tokens = speculative_generate_step(
+            ids, target, drafter, max_tokens=limit, params=params,
+            logits_processors=logits_processors, block_size=block_size,
+            prefill_step_size=prefill_step_size,
+        )
+    else:
+        sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, top_k=top_k)
+        plain = generate_step(ids, model, max_tokens=max_tokens, sampler=sampler,
+                              logits_processors=logits_processors,
+                              prefill_step_size=prefill_step_size)
+        tokens = ((int(t), lp, None) for t, lp in plain)
+
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tic = time.perf_counter()
+    prompt_tps, n = 0.0, 0
+    for n, (token, logprobs, stats) in enumerate(tokens, start=1):
+        if n == 1:
+            prompt_tps = ids.size / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        finish = None
+        if token in tokenizer.eos_token_ids:
+            finish = "stop"
+        else:
+            detokenizer.add_token(token)
+            if n >= limit:
+                finish = "length"
+        if finish:
+            detokenizer.finalize()
+        yield GenerationResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=logprobs,
+            from_draft=bool(stats and stats.accepted and stats.cycles),
+            prompt_tokens=ids.size,
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            accepted=stats.accepted if stats else 0,
+            tau=stats.tau if stats else 0.0,
+            acceptance_counts=list(stats.position_accepted) if stats else [],
+            cycles=stats.cycles if stats else 0,
+        )
+        if finish:
+            return
+
+
+def generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None, verbose: bool = False,
+             **kwargs) -> str:
+    """Generate a complete response; with ``verbose`` print it as it streams plus stats."""
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, drafter, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(stats_line(last))
+    return text
+
+
+def stats_line(r: GenerationResponse) -> str:
+    tau = f"tau {r.tau:.2f} | " if r.cycles else ""
+    return (f"{tau}generation {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | "
+            f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
+            f"peak memory {r.peak_memory:.3f} GB")

@@ -1,0 +1,180 @@
+"""Reading drafter checkpoints (config.json + safetensors), validating a target /
+drafter pair, and quantizing a drafter.
+
+Checkpoints are data: only safetensors are read, nothing is imported or unpickled.
+"""
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import DrafterConfig, DrafterConfigError
+from .drafter import Drafter
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that is missing, incomplete or inconsistent."""
+
+
+class PairError(ValueError):
+    """A drafter that does not fit the target it is paired with."""
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# Copies of the target's own tensors that some exports carry; the drafter uses the target's.
+TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def resolve(path_or_repo: str) -> Path:
+    """A local directory, or a hub id fetched with huggingface_hub (json + safetensors only)."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        return path
+    if str(path_or_repo).startswith((".", "/", "~")) or str(path_or_repo).count("/") != 1:
+        raise CheckpointError(f"no such directory: {path_or_repo}")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(path_or_repo), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]))
+
+
+def read_config(path: Path) -> DrafterConfig:
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+    return DrafterConfig.from_dict(raw)
+
+
+def read_weights(path: Path) -> dict:
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        absent = [s for s in shards if not (path / s).is_file()]
+        if absent:
+            raise CheckpointError(f"{path}: shard(s) listed in the index are missing: {', '.join(absent)}")
+        files = [path / s for s in shards]
+    if not files:
+        pickles = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        if pickles:
+            raise CheckpointError(
+                f"{path} holds only pickle checkpoints ({', '.join(pickles)}); "
+                "convert them to safetensors, pickles are never loaded"
+            )
+        raise CheckpointError(f"{path} has no *.safetensors weights")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises plain exceptions for truncated files
+            raise CheckpointError(f"cannot read {f.name}: {e}") from e
+    return weights
+
+
+def sanitize(weights: dict) -> dict:
+    out = {}
+    for k, v in weights.items():
+        if k.startswith("model."):
+            k = k[len("model."):]
+        if k.endswith(("_codebook.weight",)):
+            k = k[: -len(".weight")]
+        if k in TARGET_TENSORS:
+            continue
+        out[k] = v
+    return out
+
+
+def quantize(drafter: Drafter, bits: int, group_size: int):
+    if bits not in (2, 4, 8):
+        raise ValueError(f"draft quantization bits must be 2, 4 or 8, got {bits}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"draft quantization group size must be 32, 64 or 128, got {group_size}")
+    nn.quantize(
+        drafter, group_size=group_size, bits=bits,
+        class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0,
+    )
+
+
+def set_activation_bits(drafter: Drafter, bits: int):
+    """32: fp32 activations; 16: bfloat16 (fp16 overflows broke other ports on M1/M2)."""
+    if bits not in (16, 32):
+        raise ValueError(f"draft activation bits must be 16 or 32, got {bits}")
+    dtype = mx.float32 if bits == 32 else mx.bfloat16
+    drafter.activation_dtype = dtype
+    drafter.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x)
+
+
+def load_drafter(path_or_repo: str) -> Drafter:
+    path = resolve(path_or_repo)
+    try:
+        cfg = read_config(path)
+    except DrafterConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    weights = sanitize(read_weights(path))
+    drafter = Drafter(cfg)
+    q = cfg.raw.get("quantization")
+    if q:
+        nn.quantize(
+            drafter, group_size=q["group_size"], bits=q["bits"],
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
+        )
+    expected = dict(tree_flatten(drafter.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensors: {', '.join(missing[:8])}"
+                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensors: {', '.join(unexpected[:8])}"
+                              + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+    wrong = [f"{k} {tuple(weights[k].shape)} (expected {tuple(v.shape)})"
+             for k, v in expected.items() if weights[k].shape != v.shape]
+    if wrong:
+        raise CheckpointError(f"{path}: wrong tensor shapes: {'; '.join(wrong[:8])}")
+    drafter.load_weights(list(weights.items()))
+    drafter.apply(lambda x: x.astype(mx.float32) if mx.issubdtype(x.dtype, mx.floating) else x)
+    mx.eval(drafter.parameters())
+    drafter.eval()
+    return drafter
+
+
+def validate_pair(target_model, drafter: Drafter):
+    """Raise PairError naming the first mismatch between a target and a drafter."""
+    from .target import model_args
+
+    cfg = drafter.config
+    args = model_args(target_model)
+    depth = len(target_model.layers)
+    problems = []
+    if cfg.vocab_size != args.vocab_size:
+        problems.append(f"vocab size: drafter {cfg.vocab_size}, target {args.vocab_size}")
+    if cfg.hidden_size != args.hidden_size:
+        problems.append(f"hidden size: drafter {cfg.hidden_size}, target {args.hidden_size}")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != depth:
+        problems.append(f"num_target_layers: drafter trained on {cfg.num_target_layers}, target has {depth}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < depth]
+    if bad:
+        problems.append(f"target_layer_ids {bad} out of range for a {depth}-layer target")
+    if not 0 <= cfg.mask_token_id < args.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} not in the target vocabulary (size {args.vocab_size})")
+    if problems:
+        raise PairError("drafter does not match the target: " + "; ".join(problems))
+
+
+def save_drafter(drafter: Drafter, path, extra_config: Optional[dict] = None):
+    """Write a checkpoint in the published format (config.json + model.safetensors)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.config.to_dict()
+    if extra_config:
+        cfg.update(extra_config)
+    weights = dict(tree_flatten(drafter.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -1,0 +1,125 @@
+"""The target side: capture tapped layer outputs from unmodified mlx-lm models, and
+roll caches back to the accepted step.
+
+Capture swaps each tapped layer's class for a subclass whose ``__call__`` records
+the layer's output, so model files stay untouched.  Attention caches are trimmed;
+recurrent caches (linear-attention layers of qwen3_5 / qwen3_next) cannot be, so
+they are restored from a snapshot taken before verification and the accepted
+tokens are replayed through the target.
+"""
+
+from typing import List, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+
+class UnsupportedTargetError(ValueError):
+    """A target model whose structure the adapter cannot tap."""
+
+
+_capture_classes = {}
+
+
+def _capturing(cls):
+    if cls not in _capture_classes:
+
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            store, index = object.__getattribute__(self, "_dflash_tap")
+            store[index] = out[0] if isinstance(out, tuple) else out
+            return out
+
+        _capture_classes[cls] = type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
+    return _capture_classes[cls]
+
+
+def text_model(model):
+    """The language model inside a (possibly multimodal) mlx-lm model."""
+    return getattr(model, "language_model", model)
+
+
+def model_args(model):
+    tm = text_model(model)
+    return getattr(tm, "args", None) or getattr(model, "args")
+
+
+class Target:
+    """An mlx-lm model plus the layers a drafter reads."""
+
+    def __init__(self, model, layer_ids: Sequence[int]):
+        self.model = model
+        tm = text_model(model)
+        missing = [n for n in ("layers",) if not hasattr(model, n)]
+        inner = getattr(tm, "model", None)
+        if inner is None or not hasattr(inner, "embed_tokens"):
+            missing.append("model.embed_tokens")
+        if missing:
+            raise UnsupportedTargetError(
+                f"target {type(model).__module__} has no {', '.join(missing)}; "
+                "DFlash needs an mlx-lm decoder with `layers` and `model.embed_tokens`"
+            )
+        self.layers = model.layers
+        depth = len(self.layers)
+        bad = [i for i in layer_ids if not 0 <= i < depth]
+        if bad:
+            raise UnsupportedTargetError(
+                f"target_layer_ids {list(layer_ids)} out of range for a {depth}-layer target"
+            )
+        self.layer_ids = list(layer_ids)
+        self.args = model_args(model)
+        self.hidden_size = self.args.hidden_size
+        self.vocab_size = self.args.vocab_size
+        self.model_type = getattr(self.args, "model_type", "")
+        self.embed_tokens = inner.embed_tokens
+        self.lm_head = tm.lm_head if "lm_head" in tm else inner.embed_tokens.as_linear
+        # Gemma scales its input embedding by sqrt(H); the drafter must see the same.
+        self.embed_scale = self.hidden_size**0.5 if self.model_type.startswith("gemma") else 1.0
+        self._taps: List = [None] * len(self.layer_ids)
+        for slot, i in enumerate(self.layer_ids):
+            layer = self.layers[i]
+            if not type(layer).__name__.startswith("Tapped"):
+                layer.__class__ = _capturing(type(layer))
+            object.__setattr__(layer, "_dflash_tap", (self._taps, slot))
+
+    def embed(self, ids):
+        return self.embed_tokens(ids) * self.embed_scale
+
+    def make_cache(self):
+        return make_prompt_cache(self.model)
+
+    def __call__(self, ids: mx.array, cache):
+        """Logits [1, L, V] and tapped features [1, L, n * H] for ``ids`` [1, L]."""
+        for slot, i in enumerate(self.layer_ids):
+            object.__setattr__(self.layers[i], "_dflash_tap", (self._taps, slot))
+        logits = self.model(ids, cache=cache)
+        features = mx.concatenate([t.astype(mx.float32) for t in self._taps], axis=-1)
+        self._taps[:] = [None] * len(self._taps)
+        return logits, features
+
+
+def snapshot(cache) -> list:
+    """What a rollback needs: the arrays of every cache that cannot be trimmed."""
+    return [None if c.is_trimmable() else (list(c.cache), c.lengths) for c in cache]
+
+
+def needs_replay(cache) -> bool:
+    return any(not c.is_trimmable() for c in cache)
+
+
+def rollback(target: Target, cache, saved: list, fed: int, kept: mx.array):
+    """Undo a verify pass over ``fed`` tokens, keeping only ``kept`` [1, n] of them."""
+    n = kept.shape[1]
+    if n == fed:
+        return
+    if not needs_replay(cache):
+        for c in cache:
+            c.trim(fed - n)
+        return
+    for c, s in zip(cache, saved):
+        if s is None:
+            c.trim(fed)
+        else:
+            c.cache, c.lengths = list(s[0]), s[1]
+    target(kept, cache)
+    mx.eval([c.state for c in cache])

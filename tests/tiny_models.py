@@ -1,0 +1,142 @@
+"""Tiny random targets (real mlx-lm model classes) with an offline tokenizer.
+
+Used by the tests and by the benchmarks that need a pair that runs in seconds:
+``python tests/tiny_models.py OUT_DIR`` writes ``OUT_DIR/target`` (qwen3) and
+``OUT_DIR/drafter`` (DFlash 2) that ``dflash2-mlx generate`` can load.
+"""
+
+import json
+import string
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+
+ALPHABET = string.ascii_lowercase + " .,"
+SPECIALS = ["<pad>", "<eos>", "<mask>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def write_tokenizer(path: Path, alphabet: str = ALPHABET, vocab_size: int = None):
+    """A character-level tokenizer: specials, then one token per character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = SPECIALS + [c for c in alphabet if c not in ":"] + [":"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>",
+        "chat_template": CHAT_TEMPLATE,
+    }))
+    return len(tokens)
+
+
+def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
+    base = dict(
+        model_type=family, hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-6, vocab_size=vocab_size, rope_theta=10000.0,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
+    )
+    if family == "qwen3":
+        base.update(head_dim=16)
+    elif family == "qwen3_moe":
+        base.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    elif family in ("qwen3_5", "qwen3_next"):
+        base.update(
+            head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            full_attention_interval=2, partial_rotary_factor=0.5,
+        )
+        if family == "qwen3_5":
+            base["rope_parameters"] = {"type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.5}
+        else:
+            base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                        mlp_only_layers=[], norm_topk_prob=True)
+    elif family == "qwen2":
+        base.update(tie_word_embeddings=True)
+    return base
+
+
+def make_target(path, family: str = "qwen3", seed: int = 0, hidden: int = 64, layers: int = 4,
+                alphabet: str = ALPHABET, scale: float = 1.0):
+    """Write a random mlx-lm model directory of ``family`` with the char tokenizer."""
+    path = Path(path)
+    vocab = write_tokenizer(path, alphabet)
+    config = target_config(family, vocab, hidden, layers)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    if scale != 1.0:
+        # Sharper logits make the random target's greedy choices far from ties.
+        params = {k: v * scale if k.endswith("lm_head.weight") or "embed_tokens" in k else v
+                  for k, v in params.items()}
+    params = {k: v.astype(mx.float32) for k, v in params.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def drafter_config(target_path, version: int = 2, layers: int = 2, block_size: int = 8,
+                   target_layer_ids=(1, 2), **overrides) -> dict:
+    t = json.loads((Path(target_path) / "config.json").read_text())
+    cfg = dict(
+        architectures=["DFlash2DraftModel" if version == 2 else "DFlashDraftModel"],
+        model_type="qwen3", hidden_size=t["hidden_size"], num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=2 * t["hidden_size"], vocab_size=t["vocab_size"],
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+        num_target_layers=t["num_hidden_layers"],
+        dflash_config=dict(block_size=block_size, mask_token_id=SPECIALS.index("<mask>"),
+                           target_layer_ids=list(target_layer_ids)),
+    )
+    if version == 2:
+        cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                    selector_top_k=4)
+        cfg["is_causal"] = False
+    for k, v in overrides.items():
+        (cfg["dflash_config"] if k in cfg["dflash_config"] else cfg)[k] = v
+    return cfg
+
+
+def make_drafter(path, target_path, version: int = 2, seed: int = 1, randomize_conv: bool = True,
+                 **kw):
+    """Write a random drafter checkpoint (published format) for the target at ``target_path``."""
+    from dflash2_mlx.config import DrafterConfig
+    from dflash2_mlx.drafter import Drafter
+    from dflash2_mlx.loading import save_drafter
+
+    cfg = DrafterConfig.from_dict(drafter_config(target_path, version, **kw))
+    mx.random.seed(seed)
+    drafter = Drafter(cfg)
+    if version == 2 and randomize_conv:
+        # Non-trivial convs and selector, so the v2 paths change the result.
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.kernel_projection.weight = 0.1 * mx.random.normal(conv.kernel_projection.weight.shape)
+                conv.base_kernel = conv.base_kernel + 0.1 * mx.random.normal(conv.base_kernel.shape)
+        sel = drafter.candidate_selector
+        sel.successor_codebook = mx.random.normal(sel.successor_codebook.shape)
+    save_drafter(drafter, path)
+    return Path(path)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    make_target(out / "target", "qwen3", hidden=int(sys.argv[2]) if len(sys.argv) > 2 else 64)
+    make_drafter(out / "drafter", out / "target", version=2)
+    print(out / "target", out / "drafter")
