@@ -1,0 +1,117 @@
+// DFlash 2's path selector: score every (predecessor, candidate) pair of every block
+// position, then walk the lattice from the anchor, in one launch.
+//
+//   S[n, t, a, b] = U[n, t, b] + sum_r AG(A[pred(t, a), r] * g[n, t, r]) * B[cand[n, t, b], r]
+//   pred(0, a) = anchor[n],  pred(t, a) = cand[n, t - 1, a]
+//
+// Sections (split on the "//@ name" lines by dflash2_mlx/kernels.py):
+//   header  the walk step shared by both kernels (passed as `header=`)
+//   select  fused kernel: inputs unary [N, L, K], cand [N, L, K] (integer ids),
+//           gate [N, L, R], anchor [N], predecessor_codebook [V, R],
+//           successor_codebook [V, R], temperature (scalar float32), uniforms [N, L];
+//           outputs scores [N, L, K, K] float32, path [N, L] int32, q [N, L, K] float32;
+//           template K, R, L, NT (threads per row), AG (dtype of A * g, MLX promotion).
+//           Grid (NT, N, 1), threadgroup (NT, 1, 1): one threadgroup per batch row.
+//           Phase 1: the row's NT threads share out its L*K*K pair scores (each score
+//           is computed by exactly one thread, written to `scores`). Barrier on device
+//           memory. Phase 2: thread 0 alone walks, reading `scores`.
+//   walk    walk only (for scores computed elsewhere): inputs scores, temperature,
+//           uniforms; outputs path, q; template K, L. One thread per batch row.
+//
+// Walk rules (shared with dflash2_mlx.selector.walk_reference):
+//   greedy (temperature == 0): argmax, ties to the lowest candidate index; q one-hot.
+//   sampled: q = softmax(row / temperature) computed as exp(x - max) * (1 / sum);
+//   pick the first j whose running sum of q exceeds u, else the last j with q > 0.
+
+//@ header
+// Row is `const device float*` or `const constant float*` (MLX binds inputs of fewer
+// than 8 elements in the constant address space), hence the template.
+template <int K, typename Row>
+inline uint dflash_walk_step(Row row, float temperature, float u, device float* q) {
+  if (temperature == 0.0f) {
+    uint pick = 0;
+    float best = row[0];
+    for (uint j = 1; j < K; ++j) {
+      if (row[j] > best) {
+        best = row[j];
+        pick = j;
+      }
+    }
+    for (uint j = 0; j < K; ++j) {
+      q[j] = j == pick ? 1.0f : 0.0f;
+    }
+    return pick;
+  }
+  float top = -metal::numeric_limits<float>::infinity();
+  for (uint j = 0; j < K; ++j) {
+    top = metal::max(top, row[j] / temperature);
+  }
+  float total = 0.0f;
+  for (uint j = 0; j < K; ++j) {
+    const float e = metal::exp(row[j] / temperature - top);
+    q[j] = e;
+    total += e;
+  }
+  const float inv = 1.0f / total;
+  float cdf = 0.0f;
+  uint pick = K;
+  uint last = K - 1;
+  bool any = false;
+  for (uint j = 0; j < K; ++j) {
+    const float p = q[j] * inv;
+    q[j] = p;
+    cdf += p;
+    if (pick == K && cdf > u) {
+      pick = j;
+    }
+    if (p > 0.0f) {
+      last = j;
+      any = true;
+    }
+  }
+  if (!any) {
+    last = K - 1;
+  }
+  return metal::min(pick, last);
+}
+
+//@ select
+const uint n = threadgroup_position_in_grid.y;
+const uint tid = thread_position_in_threadgroup.x;
+
+for (uint p = tid; p < L * K * K; p += NT) {
+  const uint t = p / (K * K);
+  const uint a = (p / K) % K;
+  const uint b = p % K;
+  const uint row = n * L + t;
+  const uint pred = t == 0 ? static_cast<uint>(anchor[n])
+                           : static_cast<uint>(cand[(row - 1) * K + a]);
+  const uint succ = static_cast<uint>(cand[row * K + b]);
+  float acc = 0.0f;
+  for (uint r = 0; r < R; ++r) {
+    const AG ag = static_cast<AG>(predecessor_codebook[pred * R + r]) *
+                  static_cast<AG>(gate[row * R + r]);
+    acc += static_cast<float>(ag) * static_cast<float>(successor_codebook[succ * R + r]);
+  }
+  scores[(row * K + a) * K + b] = static_cast<float>(unary[row * K + b]) + acc;
+}
+
+metal::threadgroup_barrier(metal::mem_flags::mem_device);
+
+if (tid == 0) {
+  uint prev = 0;
+  for (uint t = 0; t < L; ++t) {
+    const uint row = n * L + t;
+    prev = dflash_walk_step<K>(scores + (row * K + prev) * K, temperature, uniforms[row], q + row * K);
+    path[row] = static_cast<int>(prev);
+  }
+}
+
+//@ walk
+const uint n = thread_position_in_grid.x;
+uint prev = 0;
+for (uint t = 0; t < L; ++t) {
+  const uint row = n * L + t;
+  prev = dflash_walk_step<K>(scores + (row * K + prev) * K, temperature, uniforms[row], q + row * K);
+  path[row] = static_cast<int>(prev);
+}
