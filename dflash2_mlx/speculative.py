@@ -63,8 +63,10 @@ def speculative_generate_step(
     logits_processors: Optional[List[Callable]] = None,
     block_size: int = 5,
     prefill_step_size: int = 2048,
+    prompt_cache: Optional[list] = None,
 ) -> Iterator:
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    cache = target.make_cache() if prompt_cache is None else prompt_cache
+    draft_cache = drafter.make_cache()
     stats = CycleStats(block_size)
     mask = drafter.config.mask_token_id
 

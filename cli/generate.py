@@ -1,0 +1,70 @@
+"""``dflash2-mlx generate``."""
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer):
+    app.command("generate")(generate)
+
+
+def generate(
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
+    messages_file: Optional[Path] = typer.Option(
+        None, "--messages-file", help="JSON file with a list of chat messages [{role, content}]; rendered with the chat template."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Target: mlx-lm model directory or hub id. Default: the built-in SmolLM2-135M-Instruct."),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", "-d", help="DFlash / DFlash 2 drafter directory or hub id. Default: the shipped drafter when --model is not given."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Min-p filter (0 = off)."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", help="Runtime block size: anchor + drafted tokens (default 5, at most the drafter's trained size)."),
+    draft_bits: Optional[int] = typer.Option(None, "--draft-bits", help="Quantize the drafter's weights to 2, 4 or 8 bits."),
+    draft_group_size: int = typer.Option(64, "--draft-group-size", help="Group size for --draft-bits (32, 64 or 128)."),
+    draft_activation_bits: int = typer.Option(32, "--draft-activation-bits", help="Drafter activation precision: 32 (fp32) or 16 (bf16)."),
+    verify_mode: str = typer.Option("dflash", "--verify-mode", help="'dflash' (speculative) or 'off' (plain decoding)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line after the text."),
+):
+    """Generate text with DFlash speculative decoding, streaming it, then a stats line."""
+    import sys
+
+    from dflash2_mlx import load, stream_generate
+    from dflash2_mlx.generate import stats_line
+
+    if (prompt is None) == (messages_file is None):
+        raise typer.BadParameter("give exactly one of --prompt or --messages-file")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if messages_file is not None:
+        prompt = json.loads(messages_file.read_text())
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+            raise typer.BadParameter("--messages-file must hold a JSON list of {role, content} objects")
+    if model is None:
+        from dflash2_mlx.defaults import default_pair
+
+        model, default_draft = default_pair()
+        draft = draft or default_draft
+    try:
+        target, tokenizer, drafter = load(
+            model, draft, draft_bits=draft_bits, draft_group_size=draft_group_size,
+            draft_activation_bits=draft_activation_bits)
+        last = None
+        for last in stream_generate(
+                target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,
+                top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size,
+                verify_mode=verify_mode, seed=seed):
+            typer.echo(last.text, nl=False)
+    except (ValueError, TypeError) as e:
+        typer.echo(f"\nerror: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo()
+    if verbose and last is not None:
+        typer.echo(stats_line(last), err=True)

@@ -1,0 +1,29 @@
+"""The ``dflash2-mlx`` command: a thin typer app over the Python API.
+
+Each sub-command lives in its own module with a ``register(app)`` function."""
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    help="DFlash 2 speculative decoding for MLX: generate, serve, train, evaluate, benchmark.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+
+@app.callback()
+def main():
+    """DFlash 2 speculative decoding for MLX."""
+
+
+COMMAND_MODULES = ["generate"]
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"dflash2_mlx.cli.{_name}").register(app)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,175 @@
+"""Greedy parity with plain mlx-lm decoding, and cache rollback after every cycle."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
+
+import dflash2_mlx as d
+from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.speculative import speculative_generate_step
+from dflash2_mlx.target import Target
+from tiny_models import make_drafter, make_target
+
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """family -> (model, tokenizer, {1: v1 drafter, 2: v2 drafter}).
+
+    A 4-letter alphabet keeps the vocabulary at 8, so random drafters are right
+    often enough to give partial acceptances, full ones and rejections."""
+    out = {}
+    for fam in FAMILIES:
+        root = tmp_path_factory.mktemp(fam)
+        make_target(root / "t", fam, alphabet="abcd", seed=3)
+        drafters = {}
+        for v in (1, 2):
+            # Random drafters vary: take the first seed whose drafts are sometimes
+            # accepted and sometimes rejected on this target.
+            for seed in range(10, 60):
+                make_drafter(root / f"d{v}", root / "t", version=v, seed=seed)
+                model, tok, drafter = d.load(str(root / "t"), str(root / f"d{v}"))
+                _, stats = dflash_tokens(model, drafter, tok.encode("abcab dcba"), 16, 4)
+                if 0 < stats.total_accepted < 3 * stats.cycles:
+                    break
+            drafters[v] = drafter
+        out[fam] = (model, tok, drafters)
+    return out
+
+
+def plain_tokens(model, prompt, n, processors=None):
+    gen = generate_step(mx.array(prompt), model, max_tokens=n, logits_processors=processors)
+    return [int(t) for t, _ in gen]
+
+
+def dflash_tokens(model, drafter, prompt, n, block_size, processors=None):
+    target = Target(model, drafter.config.target_layer_ids)
+    drafter.bind(target.embed, target.lm_head)
+    steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=n,
+                                      block_size=block_size, logits_processors=processors)
+    tokens, stats = [], None
+    for t, _, stats in steps:
+        tokens.append(t)
+    return tokens, stats
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_parity_all_block_sizes(pairs, family):
+    model, tok, drafters = pairs[family]
+    prompt = tok.encode("abcab dcba")
+    ref = plain_tokens(model, prompt, MAX_TOKENS)
+    accepted_any = False
+    for v in (1, 2):
+        for block_size in range(1, 9):
+            out, stats = dflash_tokens(model, drafters[v], prompt, MAX_TOKENS, block_size)
+            assert out == ref, f"{family} v{v} block {block_size}: diverged from mlx-lm"
+            accepted_any |= stats.total_accepted > 0
+    assert accepted_any, "the test pair never accepted a draft token: it tests nothing"
+
+
+def test_public_stream_generate_matches_mlx_lm(pairs):
+    model, tok, drafters = pairs["qwen3"]
+    prompt = "abc dab"
+    ref = plain_tokens(model, tok.encode(prompt), 16)
+    responses = list(d.stream_generate(model, tok, prompt, drafters[2], max_tokens=16))
+    assert [r.token for r in responses] == ref[: len(responses)]
+    last = responses[-1]
+    assert last.finish_reason in ("length", "stop")
+    assert last.cycles > 0 and last.tau >= 1.0
+    assert len(last.acceptance_counts) == 4  # default block size 5
+    off = [r.token for r in d.stream_generate(model, tok, prompt, drafters[2], max_tokens=16,
+                                              verify_mode="off")]
+    assert off == [r.token for r in responses]
+
+
+def test_greedy_parity_with_repetition_penalty(pairs):
+    model, tok, drafters = pairs["qwen3"]
+    prompt = tok.encode("aabbccdd")
+    procs = make_logits_processors(repetition_penalty=1.8, repetition_context_size=6)
+    ref = plain_tokens(model, prompt, MAX_TOKENS, procs)
+    for v in (1, 2):
+        out, _ = dflash_tokens(model, drafters[v], prompt, MAX_TOKENS, 4, procs)
+        assert out == ref
+
+
+def _scale_tree(module, key_filter, fn):
+    params = dict(tree_flatten(module.parameters()))
+    module.load_weights([(k, fn(k, v)) for k, v in params.items() if key_filter(k)], strict=False)
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_always_accepted_and_always_rejected(tmp_path, agree):
+    """A target whose greedy token never changes, and a drafter that always proposes
+    it (every draft accepted) or always proposes another (every draft rejected).
+
+    Embedding channel 0 is huge for every token and both final norms keep only that
+    channel, so both heads reduce to lm_head[:, 0] times a positive (or, for the
+    rejecting drafter, negative) number."""
+    make_target(tmp_path / "t", "qwen3", alphabet="abcdefgh")
+    make_drafter(tmp_path / "d", tmp_path / "t", version=2)
+    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
+    emb = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = emb.at[:, 0].add(1000.0)
+    H = emb.shape[1]
+    only0 = mx.zeros((H,)).at[0].add(1.0)
+    model.model.norm.weight = only0
+    drafter.norm.weight = only0 if agree else -only0
+    prompt = tok.encode("abc")
+    ref = plain_tokens(model, prompt, 20)
+    assert len(set(ref)) == 1
+    for block_size in (2, 5, 8):
+        out, stats = dflash_tokens(model, drafter, prompt, 20, block_size)
+        assert out == ref
+        if agree:
+            assert stats.total_accepted == stats.cycles * (block_size - 1)
+        else:
+            assert stats.total_accepted == 0
+
+
+def _cache_arrays(cache):
+    """Every array that defines a cache's state, trimmed to its valid length."""
+    out = []
+    for c in cache:
+        if c.is_trimmable():
+            k, v = c.keys_and_values() if hasattr(c, "keys_and_values") else c.state[:2]
+            out += [np.array(k), np.array(v)]
+        else:
+            out += [np.array(a) for a in c.cache]
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_cache_equals_fresh_prefill_after_every_cycle(pairs, family, temp):
+    model, tok, drafters = pairs[family]
+    drafter = drafters[2]
+    target = Target(model, drafter.config.target_layer_ids)
+    drafter.bind(target.embed, target.lm_head)
+    prompt = tok.encode("dcba abcd")
+    cache = target.make_cache()
+    mx.random.seed(7)
+    steps = speculative_generate_step(
+        mx.array(prompt), target, drafter, max_tokens=30, block_size=4,
+        params=SamplingParams(temp=temp), prompt_cache=cache)
+    tokens, seen_cycles, checks = [], 0, []
+    for t, _, stats in steps:
+        if stats.cycles != seen_cycles:  # first token of a new cycle: cache rolled back
+            seen_cycles = stats.cycles
+            committed = prompt + tokens + [t] * 0  # filled in below
+            checks.append((len(tokens), stats.accepted, _cache_arrays(cache)))
+        tokens.append(t)
+    assert len(checks) >= 5
+    for n_before, accepted, state in checks:
+        committed = prompt + tokens[: n_before + accepted]
+        fresh = target.make_cache()
+        target(mx.array([committed]), fresh)
+        ref = _cache_arrays(fresh)
+        assert len(ref) == len(state)
+        for a, b in zip(state, ref):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
