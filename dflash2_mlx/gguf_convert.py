@@ -129,11 +129,16 @@ def llama_config(reader: gguf.GGUFReader) -> Dict[str, Any]:
 
 
 def dequantized_weights(reader: gguf.GGUFReader, path: PathLike) -> Dict[str, mx.array]:
-    """Every tensor of the GGUF as fp32, under its GGUF name, in HF (out, in) layout."""
-    native = mx.load(str(path))
+    """Every tensor of the GGUF as fp32, under its GGUF name, in HF (out, in) layout.
+
+    mx.load refuses a whole file that holds a type it cannot read (Q5_0, ...), so it is
+    used only when every tensor's type is one it decodes correctly.
+    """
+    use_mx = all(t.tensor_type in _MX_NATIVE for t in reader.tensors)
+    native = mx.load(str(path)) if use_mx else {}
     weights = {}
     for t in reader.tensors:
-        bits = _MX_NATIVE.get(t.tensor_type, "other")
+        bits = _MX_NATIVE.get(t.tensor_type, "other") if use_mx else "other"
         if bits == "other":
             w = mx.array(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
         elif bits is None:
