@@ -1,0 +1,78 @@
+"""``dflash2-mlx bench kernels``: the Metal kernels against their twins at the
+published sizes, and the conv / selector share of one whole draft cycle."""
+
+import time
+
+import mlx.core as mx
+
+from . import kernels
+from .conv import dynamic_conv_reference
+from .selector import pair_scores_reference, walk_reference
+
+
+def _time_ms(fn, repeats: int) -> float:
+    """Median wall time of ``fn`` (evaluated) in milliseconds, after one warm-up."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _why_twin_only() -> str:
+    if kernels.reference_forced():
+        return f"the twins are forced by {kernels.FORCE_REFERENCE_ENV}"
+    if not mx.metal.is_available():
+        return "no Metal back-end on this machine"
+    return "the default device is the CPU"
+
+
+def bench_kernels(hidden: int = 5120, blocks=(5, 8), top_k: int = 16, rank: int = 256,
+                  vocab: int = 32768, batch: int = 1, group_size: int = 16,
+                  dtype=mx.float32, repeats: int = 20, echo=print) -> list:
+    """Time kernel vs twin for the conv (over the whole block) and the selector
+    (scores + greedy walk over the block's B-1 positions). Returns one dict per
+    (kernel, block): kernel, block, twin_ms, kernel_ms, ratio (twin / kernel);
+    kernel_ms and ratio are None where the kernels cannot run."""
+    on_metal = kernels.metal_usable() and not kernels.reference_forced()
+    if not on_metal:
+        echo(f"twin only: {_why_twin_only()} (the kernels need Apple Silicon)")
+    key = mx.random.key(0)
+    k = mx.random.split(key, 8)
+    A = (mx.random.normal((vocab, rank), key=k[0]) * rank**-0.5).astype(dtype)
+    B = (mx.random.normal((vocab, rank), key=k[1]) * rank**-0.5).astype(dtype)
+    base = mx.random.normal((2, hidden), key=k[2]).astype(dtype)
+    rows = []
+    for L in blocks:
+        x = mx.random.normal((batch, L, hidden), key=k[3]).astype(dtype)
+        dyn = mx.random.normal((batch, L, 2, hidden // group_size), key=k[4]).astype(dtype)
+        T = L - 1
+        logits = mx.random.normal((batch, T, vocab), key=k[5])
+        cand = mx.argsort(-logits, axis=-1)[..., :top_k]
+        unary = mx.take_along_axis(logits, cand, axis=-1)
+        gate = mx.random.normal((batch, T, rank), key=k[6]).astype(dtype)
+        anchor = mx.zeros((batch,), dtype=mx.int32)
+        mx.eval(A, B, base, x, dyn, cand, unary, gate)
+        cases = {
+            "dynamic_conv": (
+                lambda: dynamic_conv_reference(x, dyn, base),
+                lambda: kernels.run_metal("dynamic_conv", kernels.conv_launch(x, dyn, base)),
+            ),
+            "path_selector": (
+                lambda: walk_reference(pair_scores_reference(unary, cand, gate, anchor, A, B)),
+                lambda: kernels.run_metal(
+                    "path_selector", kernels.selector_launch(unary, cand, gate, anchor, A, B)),
+            ),
+        }
+        for name, (twin, kernel) in cases.items():
+            twin_ms = _time_ms(twin, repeats)
+            kernel_ms = _time_ms(kernel, repeats) if on_metal else None
+            ratio = twin_ms / kernel_ms if kernel_ms else None
+            rows.append(dict(kernel=name, block=L, twin_ms=twin_ms, kernel_ms=kernel_ms, ratio=ratio))
+            shown = (f"kernel {kernel_ms:.3f} ms  twin/kernel {ratio:.2f}x" if on_metal
+                     else "kernel n/a")
+            echo(f"{name:<14} H={hidden} B={L} batch={batch} k={top_k} r={rank} {dtype}: "
+                 f"twin {twin_ms:.3f} ms  {shown}")
+    return rows

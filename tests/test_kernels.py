@@ -1,0 +1,509 @@
+"""The Metal kernels, checked three ways.
+
+1. Everywhere: the kernel body text handed to ``mx.fast.metal_kernel`` is compiled as
+   C++ (tests/metal_emu) with the signature MLX would generate, run over its whole grid
+   in shuffled thread orders under AddressSanitizer, and compared with the twins.
+2. Everywhere: the generated Metal source is inspected for what the emulator cannot see.
+3. ``pytest -m metal`` on Apple Silicon: the real kernels against the twins.
+"""
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dflash2_mlx import kernels  # noqa: E402
+from dflash2_mlx.conv import dynamic_conv_reference  # noqa: E402
+from dflash2_mlx.selector import pair_scores_reference, walk_reference  # noqa: E402
+from metal_emu.emulate import (  # noqa: E402
+    EMULATED_ATTRIBUTES, emulate, emulate_many, metal_source, used_attributes,
+)
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
+NO_METAL = "needs Apple Silicon with MLX's Metal back-end (mx.metal.is_available() is False here)"
+
+CONV = kernels.SOURCES["dynamic_conv"]
+SELECT = kernels.SOURCES["path_selector"]
+WALK = kernels.SOURCES["path_walk"]
+
+
+def keys(seed, n):
+    return mx.random.split(mx.random.key(seed), n)
+
+
+# ---- inputs ----------------------------------------------------------------------
+
+
+def conv_case(seed, batch, L, H, groups, dtypes=(mx.float32,) * 3, scale=1.0):
+    k = keys(seed, 3)
+    xd, dd, bd = dtypes
+    x = (mx.random.normal((*batch, L, H), key=k[0]) * scale).astype(xd)
+    dyn = (mx.random.normal((*batch, L, 2, groups), key=k[1]) * 0.5).astype(dd)
+    base = mx.random.normal((2, H), key=k[2]).astype(bd)
+    return x, dyn, base
+
+
+CONV_CASES = {
+    "fp32 published H5120 B8": conv_case(0, (1,), 8, 5120, 320),
+    "fp32 T=1": conv_case(1, (3,), 1, 64, 4),
+    "fp32 T=16 batch (2,3)": conv_case(2, (2, 3), 16, 48, 16),
+    "fp32 group size 1": conv_case(3, (2,), 5, 24, 24),
+    "fp32 one group": conv_case(4, (1,), 4, 32, 1),
+    "fp32 no batch dim": conv_case(5, (), 7, 64, 4),
+    "fp16": conv_case(6, (2,), 5, 128, 8, (mx.float16,) * 3),
+    "fp16 near overflow": conv_case(7, (2,), 4, 64, 4, (mx.float16,) * 3, scale=3e4),
+    "bf16 published H5120 B5": conv_case(8, (2,), 5, 5120, 320, (mx.bfloat16,) * 3),
+    "bf16 x, fp32 base": conv_case(9, (2,), 6, 96, 6, (mx.bfloat16, mx.bfloat16, mx.float32)),
+    "fp32 x, bf16 taps": conv_case(10, (2,), 6, 96, 6, (mx.float32, mx.bfloat16, mx.bfloat16)),
+    "fp16 x, bf16 base": conv_case(11, (1,), 3, 32, 2, (mx.float16, mx.float16, mx.bfloat16)),
+}
+
+
+def last_group_case():
+    """dyn is zero except in the last channel group, where it is large."""
+    x, dyn, base = conv_case(12, (2,), 5, 80, 5)
+    dyn = mx.zeros_like(dyn).at[..., -1].add(3.0)
+    return x, dyn, base
+
+
+CONV_CASES["last channel group only"] = last_group_case()
+
+
+def quarter(shape, key, lo=-8, hi=8):
+    """Multiples of 1/4 in [lo/4, hi/4]: every product and sum below stays exact in fp32."""
+    return mx.round(mx.random.uniform(lo, hi, shape, key=key)) / 4
+
+
+def selector_case(seed, batch, L, K, R, V=300, dtype=mx.float32, exact=False):
+    k = keys(seed, 7)
+    draw = quarter if exact else (lambda s, key: mx.random.normal(s, key=key))
+    cand = mx.argsort(mx.random.uniform(shape=(*batch, L, V), key=k[0]), axis=-1)[..., :K]
+    unary = draw((*batch, L, K), k[1]) * (1 if exact else 3)
+    gate = draw((*batch, L, R), k[2]).astype(dtype)
+    A = (draw((V, R), k[3]) * (1 if exact else R**-0.5)).astype(dtype)
+    B = (draw((V, R), k[4]) * (1 if exact else R**-0.5)).astype(dtype)
+    anchor = mx.random.randint(0, V, batch, key=k[5]).astype(mx.int32)
+    uniforms = mx.random.uniform(shape=(*batch, L), key=k[6])
+    return dict(unary=unary, cand=cand, gate=gate, anchor=anchor, A=A, B=B, uniforms=uniforms)
+
+
+def ties_case():
+    """Every row has its maximum twice (indices 2 and 5 at t=0, 0 and 1 after), rest below."""
+    c = selector_case(20, (2,), 4, 8, 4, exact=True)
+    unary = mx.broadcast_to(mx.array([0.0, -1, 1, -2, -3, 1, -4, -5]), c["unary"].shape)
+    unary = mx.where(mx.arange(4)[:, None] > 0, mx.array([1.0, 1, 0, -1, -2, -3, -4, -5]), unary)
+    c.update(unary=unary, A=mx.zeros_like(c["A"]))
+    return c
+
+
+def extreme_case():
+    """Logits spanning 1e4..-1e30, a candidate so low its q underflows to exactly 0."""
+    c = selector_case(21, (2,), 5, 16, 8)
+    unary = c["unary"] * 3e3
+    unary = unary.at[..., -1].add(-1e30)
+    c.update(unary=unary, uniforms=mx.full(c["uniforms"].shape, 0.99999994))
+    return c
+
+
+SELECTOR_CASES = {
+    "published k16 r256 B8": (selector_case(30, (2,), 7, 16, 256), (0.0, 1.0)),
+    "published k16 r256 B5 batch 1": (selector_case(31, (1,), 4, 16, 256), (0.0, 0.7)),
+    "exact quarters k16 r32": (selector_case(32, (3,), 6, 16, 32, exact=True), (0.0, 1.0)),
+    "T=1": (selector_case(33, (2,), 1, 16, 16), (0.0, 1.0)),
+    "k4 r8 no batch dim": (selector_case(34, (), 3, 4, 8), (0.0, 0.5)),
+    "k20 r64 batch (2,2)": (selector_case(35, (2, 2), 5, 20, 64), (0.0, 2.0)),
+    "k32 r16 (more pairs than threads)": (selector_case(36, (1,), 3, 32, 16), (0.0, 1.0)),
+    "bf16 gate and codebooks": (selector_case(37, (2,), 5, 16, 64, dtype=mx.bfloat16), (0.0, 1.0)),
+    "fp16 gate and codebooks": (selector_case(38, (2,), 5, 16, 64, dtype=mx.float16), (0.0, 1.0)),
+    "ties": (ties_case(), (0.0,)),
+    "extreme logits": (extreme_case(), (0.0, 0.05, 1.0, 1e4)),
+}
+
+
+def sel_args(c):
+    return c["unary"], c["cand"], c["gate"], c["anchor"], c["A"], c["B"]
+
+
+# ---- 2. the generated Metal source --------------------------------------------------
+
+
+def identifiers(text):
+    return set(re.findall(r"\b[A-Za-z_]\w*\b", re.sub(r"//[^\n]*", "", text)))
+
+
+def launches():
+    x, dyn, base = CONV_CASES["fp16"]
+    c = SELECTOR_CASES["published k16 r256 B8"][0]
+    scores = pair_scores_reference(*sel_args(c))
+    return [
+        (CONV, kernels.conv_launch(x, dyn, base)),
+        (SELECT, kernels.selector_launch(*sel_args(c), 1.0, c["uniforms"])),
+        (WALK, kernels.walk_launch(scores, 1.0, c["uniforms"])),
+    ]
+
+
+@pytest.mark.parametrize("src,launch", launches(), ids=["conv", "select", "walk"])
+def test_generated_source_uses_every_name_and_declares_every_template_param(src, launch):
+    used = identifiers(src.source)
+    for name in (*src.input_names, *src.output_names):
+        assert name in used, f"{src.name}: {name} is passed but never used"
+    assert len(launch.inputs) == len(src.input_names)
+    assert len(launch.output_shapes) == len(src.output_names) == len(launch.output_dtypes)
+
+    text = metal_source(src, launch)
+    decl = re.search(r"template <([^>]*)>\n\[\[kernel\]\]", text).group(1)
+    declared = [p.split()[-1] for p in decl.split(",")]
+    assert declared == [n for n, _ in launch.template]
+    # Every all-caps name the body or header uses is a template parameter or a local
+    # constant, and every template parameter is used.
+    body = identifiers(src.header) | used
+    caps = {w for w in body if re.fullmatch(r"[A-Z][A-Z0-9]*", w)}
+    local = set(re.findall(r"constexpr\s+\w+\s+([A-Z]\w*)", src.source))
+    local |= set(re.findall(r"template\s*<[^>]*\bint\s+([A-Z]\w*)", src.header))
+    assert caps - local <= set(declared), f"undeclared template names {caps - local - set(declared)}"
+    assert set(declared) <= body, f"unused template params {set(declared) - body}"
+    # Only what the emulator models: attributes, no threadgroup memory, no SIMD ops.
+    assert {a for a, _ in used_attributes(src.source)} <= EMULATED_ATTRIBUTES
+    assert not re.search(r"\bthreadgroup\s+\w+[\s*]", src.source + src.header)
+    assert "simd_" not in src.source + src.header and "quad_" not in src.source + src.header
+    # The instantiation MLX appends names the same template values.
+    assert text.rstrip().endswith(";") and "[[host_name(" in text
+
+
+def test_small_inputs_bind_in_constant_space_and_scalars_by_reference():
+    c = SELECTOR_CASES["k4 r8 no batch dim"][0]
+    text = metal_source(SELECT, kernels.selector_launch(*sel_args(c), 0.5, c["uniforms"]))
+    assert "const constant int32_t* anchor [[buffer(3)]]" in text  # one row: 1 element
+    assert "const constant float& temperature [[buffer(6)]]" in text
+    assert "const constant float* uniforms [[buffer(7)]]" in text  # 3 elements
+    assert "device float* scores [[buffer(8)]]" in text
+    assert "uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]" in text
+
+
+def test_kernel_sources_are_package_data():
+    assert "//@ conv" not in CONV.source and "thread_position_in_grid" in CONV.source
+    assert "dflash_walk_step" in SELECT.header and SELECT.header == WALK.header
+    assert "threadgroup_barrier" in SELECT.source and "threadgroup_barrier" not in WALK.source
+
+
+# ---- 1. the kernels, emulated on the CPU --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def conv_results():
+    names = list(CONV_CASES)
+    outs = emulate_many(CONV, [kernels.conv_launch(*CONV_CASES[n]) for n in names], seeds=(0, 1))
+    return dict(zip(names, (o[0] for o in outs)))
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(CONV_CASES))
+def test_conv_emulated_matches_twin_bit_for_bit(conv_results, name):
+    x, dyn, base = CONV_CASES[name]
+    got, want = conv_results[name], dynamic_conv_reference(x, dyn, base)
+    assert got.dtype == want.dtype == x.dtype and got.shape == want.shape
+    assert mx.array_equal(got, want, equal_nan=True).item()
+
+
+@needs_gxx
+def test_conv_cases_reach_the_edges(conv_results):
+    # The last group's taps changed exactly the last group's channels.
+    x, dyn, base = CONV_CASES["last channel group only"]
+    plain = dynamic_conv_reference(x, mx.zeros_like(dyn), base)
+    changed = mx.any(conv_results["last channel group only"] != plain, axis=(0, 1))
+    assert changed[-16:].all().item() and not changed[:-16].any().item()
+    # fp16 overflowed to inf somewhere, identically in both.
+    assert mx.isinf(conv_results["fp16 near overflow"]).any().item()
+    # bf16 inputs round differently from an fp32 computation: the exact match is a real check.
+    x, dyn, base = CONV_CASES["bf16 published H5120 B5"]
+    wide = dynamic_conv_reference(*(a.astype(mx.float32) for a in (x, dyn, base))).astype(mx.bfloat16)
+    assert not mx.array_equal(wide, conv_results["bf16 published H5120 B5"]).item()
+
+
+def expand_selector_cases():
+    runs = []
+    for name, (c, temps) in SELECTOR_CASES.items():
+        for t in temps:
+            runs.append((name, t))
+    return runs
+
+
+SELECTOR_RUNS = expand_selector_cases()
+
+
+@pytest.fixture(scope="module")
+def selector_results():
+    launches = [kernels.selector_launch(*sel_args(SELECTOR_CASES[n][0]), t, SELECTOR_CASES[n][0]["uniforms"])
+                for n, t in SELECTOR_RUNS]
+    outs = emulate_many(SELECT, launches, seeds=(0, 1, 2))
+    return dict(zip(SELECTOR_RUNS, outs))
+
+
+@pytest.fixture(scope="module")
+def walk_results():
+    launches = []
+    for n, t in SELECTOR_RUNS:
+        c = SELECTOR_CASES[n][0]
+        launches.append(kernels.walk_launch(pair_scores_reference(*sel_args(c)), t, c["uniforms"]))
+    return dict(zip(SELECTOR_RUNS, emulate_many(WALK, launches, seeds=(0, 1))))
+
+
+def assert_scores_close(got, want, c):
+    # fp32 sums of R products in another order: bound by R ulps of the largest term.
+    bound = (mx.max(mx.abs(want)) + 1.0) * c["gate"].shape[-1] * 2e-7
+    err = mx.max(mx.abs(got - want)).item()
+    assert err <= bound.item(), f"score error {err} above {bound.item()}"
+
+
+@needs_gxx
+@pytest.mark.parametrize("name,temp", SELECTOR_RUNS, ids=[f"{n}-T{t}" for n, t in SELECTOR_RUNS])
+def test_selector_emulated_matches_twin(selector_results, name, temp):
+    c = SELECTOR_CASES[name][0]
+    scores, path, q = selector_results[(name, temp)]
+    want_scores = pair_scores_reference(*sel_args(c))
+    want_path, want_q = walk_reference(want_scores, temp, c["uniforms"])
+    assert scores.dtype == mx.float32 and path.dtype == mx.int32 and q.dtype == mx.float32
+    assert scores.shape == want_scores.shape and path.shape == want_path.shape and q.shape == want_q.shape
+    if name in ("exact quarters k16 r32", "ties"):
+        assert mx.array_equal(scores, want_scores).item()
+    else:
+        assert_scores_close(scores, want_scores, c)
+    # The walk on the kernel's own scores follows the twin's rules exactly ...
+    own_path, own_q = walk_reference(scores, temp, c["uniforms"])
+    assert mx.array_equal(path, own_path).item()
+    assert mx.allclose(q, own_q, atol=1e-6, rtol=1e-5).item()
+    # ... and, these inputs having no near-ties, lands on the twin's path.
+    assert mx.array_equal(path, want_path).item()
+    assert mx.allclose(q, want_q, atol=1e-5, rtol=1e-4).item()
+
+
+@needs_gxx
+@pytest.mark.parametrize("name,temp", SELECTOR_RUNS, ids=[f"{n}-T{t}" for n, t in SELECTOR_RUNS])
+def test_walk_emulated_matches_twin(walk_results, name, temp):
+    c = SELECTOR_CASES[name][0]
+    path, q = walk_results[(name, temp)]
+    want_path, want_q = walk_reference(pair_scores_reference(*sel_args(c)), temp, c["uniforms"])
+    assert mx.array_equal(path, want_path).item()
+    if temp == 0:
+        assert mx.array_equal(q, want_q).item()
+    else:
+        assert mx.allclose(q, want_q, atol=1e-6, rtol=1e-5).item()
+
+
+@needs_gxx
+def test_selector_edge_cases_do_what_they_claim(selector_results):
+    # Ties go to the lowest index: 2 at position 0, then 0 (tied with 1).
+    _, path, q = selector_results[("ties", 0.0)]
+    assert path.tolist() == [[2, 0, 0, 0]] * 2
+    assert (q.sum(-1) == 1).all().item()
+    # Extreme logits: at u just below 1 the running sum stops short of u, so the pick is
+    # the last candidate with q > 0, never the underflowed last one.
+    for t in (0.05, 1.0, 1e4):
+        _, path, q = selector_results[("extreme logits", t)]
+        assert (q[..., -1] == 0).all().item()
+        assert (path < 15).all().item()
+    _, path, q = selector_results[("extreme logits", 1e4)]
+    assert (path == 14).all().item()  # flat rows: u > cdf[j] for every j < 15
+    # Low precision gate/codebooks: the A*g products round in that dtype, as in the twin.
+    c = SELECTOR_CASES["bf16 gate and codebooks"][0]
+    wide = pair_scores_reference(c["unary"], c["cand"], c["gate"].astype(mx.float32), c["anchor"],
+                                 c["A"].astype(mx.float32), c["B"].astype(mx.float32))
+    scores = selector_results[("bf16 gate and codebooks", 0.0)][0]
+    assert_scores_close(scores, pair_scores_reference(*sel_args(c)), c)
+    bound = (mx.max(mx.abs(wide)) + 1.0).item() * c["gate"].shape[-1] * 2e-7
+    assert mx.max(mx.abs(scores - wide)).item() > 5 * bound
+
+
+# ---- the harness itself can fail ------------------------------------------------------
+
+TOY = kernels.KernelSource(
+    name="toy_sum",
+    input_names=("x",),
+    output_names=("y", "total"),
+    source="""
+const uint i = thread_position_in_grid.x;
+y[i] = x[i] * 2.0f;
+BARRIER
+if (i == 0) {
+  float s = 0.0f;
+  for (uint j = 0; j < N; ++j) s += y[j];
+  total[0] = s;
+}
+""",
+)
+
+
+def toy(barrier: bool, read_past_end: bool = False):
+    src = TOY.source.replace("BARRIER", "metal::threadgroup_barrier(metal::mem_flags::mem_device);" if barrier else "")
+    if read_past_end:
+        src = src.replace("x[i] * 2.0f", "x[i + 1] * 2.0f")
+    n = 64
+    launch = kernels.Launch(inputs=[mx.arange(n, dtype=mx.float32)], template=[("N", n)], grid=(n, 1, 1),
+                            threadgroup=(n, 1, 1), output_shapes=[(n,), (1,)],
+                            output_dtypes=[mx.float32, mx.float32])
+    return kernels.KernelSource(TOY.name, TOY.input_names, TOY.output_names, src), launch
+
+
+@needs_gxx
+def test_harness_catches_thread_order_dependence_and_honours_barriers():
+    src, launch = toy(barrier=False)
+    with pytest.raises(AssertionError, match="depends on thread order"):
+        emulate_many(src, [launch], seeds=(0, 1, 2, 3))
+    src, launch = toy(barrier=True)
+    (y, total), = emulate_many(src, [launch], seeds=(0, 1, 2, 3))
+    assert total.item() == 2 * sum(range(64))
+
+
+@needs_gxx
+def test_harness_catches_out_of_bounds_reads():
+    src, launch = toy(barrier=True, read_past_end=True)
+    with pytest.raises(RuntimeError, match="heap-buffer-overflow"):
+        emulate(src, launch)
+
+
+# ---- dispatch, self-check, doctor on this machine -------------------------------------
+
+
+def on_twins_only():
+    return not kernels.metal_usable() or kernels.reference_forced()
+
+
+def test_dispatch_uses_the_twins_without_metal(monkeypatch):
+    x, dyn, base = CONV_CASES["fp32 T=1"]
+    c = SELECTOR_CASES["k4 r8 no batch dim"][0]
+    monkeypatch.setenv(kernels.FORCE_REFERENCE_ENV, "1")
+    for k in kernels.KERNEL_NAMES:
+        assert kernels.active_path(k) == f"reference (forced by {kernels.FORCE_REFERENCE_ENV})"
+    monkeypatch.delenv(kernels.FORCE_REFERENCE_ENV)
+    if not mx.metal.is_available():
+        for k in kernels.KERNEL_NAMES:
+            assert kernels.active_path(k) == "reference (no Metal back-end)"
+    if on_twins_only():
+        assert mx.array_equal(kernels.dynamic_conv(x, dyn, base), dynamic_conv_reference(x, dyn, base)).item()
+        scores, path, q = kernels.select(*sel_args(c), 0.5, c["uniforms"])
+        assert mx.array_equal(scores, pair_scores_reference(*sel_args(c))).item()
+        wp, wq = walk_reference(scores, 0.5, c["uniforms"])
+        assert mx.array_equal(path, wp).item() and mx.array_equal(q, wq).item()
+        p2, q2 = kernels.walk(scores, 0.5, c["uniforms"])
+        assert mx.array_equal(p2, wp).item()
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="checks the failure path a missing back-end takes")
+def test_self_check_failure_warns_once_naming_the_kernel_and_is_reported(monkeypatch):
+    monkeypatch.setattr(kernels, "_checks", {})
+    with pytest.warns(RuntimeWarning, match="'dynamic_conv'.*No Metal back-end"):
+        result = kernels.self_check("dynamic_conv")
+    assert not result.passed and "No Metal back-end" in result.detail
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.self_check("dynamic_conv") is result  # no second warning
+
+
+def test_gradients_come_from_the_twin():
+    x, dyn, base = CONV_CASES["fp32 T=16 batch (2,3)"]
+    # A forward that is not the twin's (scaled by 2) still gets the twin's gradient.
+    f = kernels._with_twin_vjp(lambda *a: 2 * dynamic_conv_reference(*a), dynamic_conv_reference,
+                               (True, True, True))
+    g_twin = mx.grad(lambda *a: (dynamic_conv_reference(*a) * mx.arange(48)).sum(), argnums=(0, 1, 2))(x, dyn, base)
+    g_f = mx.grad(lambda *a: (f(*a) * mx.arange(48)).sum(), argnums=(0, 1, 2))(x, dyn, base)
+    for a, b in zip(g_twin, g_f):
+        assert mx.allclose(a, b).item()
+    # Integer inputs (candidate ids) get zero gradients.
+    c = SELECTOR_CASES["k4 r8 no batch dim"][0]
+    s = kernels._with_twin_vjp(pair_scores_reference, pair_scores_reference,
+                               (True, False, True, False, True, True))
+    gu, gg = mx.grad(lambda u, g: s(u, c["cand"], g, c["anchor"], c["A"], c["B"]).sum(), argnums=(0, 1))(
+        c["unary"], c["gate"])
+    wu, wg = mx.grad(lambda u, g: pair_scores_reference(u, c["cand"], g, c["anchor"], c["A"], c["B"]).sum(),
+                     argnums=(0, 1))(c["unary"], c["gate"])
+    assert mx.allclose(gu, wu).item() and mx.allclose(gg, wg).item()
+
+
+def test_doctor_reports_every_kernel(capsys):
+    from dflash2_mlx.doctor import run_doctor
+
+    report = run_doctor()
+    printed = capsys.readouterr().out
+    assert [r["kernel"] for r in report] == list(kernels.KERNEL_NAMES)
+    for r in report:
+        assert r["kernel"] in printed and r["path"] in printed
+        if not mx.metal.is_available():
+            assert r["path"] in ("reference (no Metal back-end)",
+                                 f"reference (forced by {kernels.FORCE_REFERENCE_ENV})")
+            assert r["self_check"].startswith("not run")
+
+
+def test_bench_kernels_times_the_twins_here(capsys):
+    from dflash2_mlx.kernel_bench import bench_kernels
+
+    rows = bench_kernels(hidden=256, blocks=(5,), top_k=16, rank=32, vocab=512, repeats=2)
+    printed = capsys.readouterr().out
+    assert {r["kernel"] for r in rows} == {"dynamic_conv", "path_selector"}
+    for r in rows:
+        assert r["twin_ms"] > 0
+        if not kernels.metal_usable():
+            assert r["kernel_ms"] is None and r["ratio"] is None
+    if not kernels.metal_usable():
+        assert "twin only" in printed and "no Metal back-end" in printed
+
+
+# ---- 3. the real kernels (Apple Silicon) ---------------------------------------------
+
+def gpu_default():
+    mx.set_default_device(mx.gpu)
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason=NO_METAL)
+@pytest.mark.parametrize("name", list(CONV_CASES))
+def test_metal_conv_matches_twin(name):
+    gpu_default()
+    x, dyn, base = CONV_CASES[name]
+    got = kernels.run_metal("dynamic_conv", kernels.conv_launch(x, dyn, base))[0]
+    want = dynamic_conv_reference(x, dyn, base)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # The GPU may contract a*b + c*d into an FMA: allow one rounding of the output dtype.
+    tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}[x.dtype]
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=tol, atol=tol,
+                       equal_nan=True).item()
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason=NO_METAL)
+@pytest.mark.parametrize("name,temp", SELECTOR_RUNS, ids=[f"{n}-T{t}" for n, t in SELECTOR_RUNS])
+def test_metal_selector_and_walk_match_twin(name, temp):
+    gpu_default()
+    c = SELECTOR_CASES[name][0]
+    scores, path, q = kernels.run_metal("path_selector",
+                                        kernels.selector_launch(*sel_args(c), temp, c["uniforms"]))
+    want_scores = pair_scores_reference(*sel_args(c))
+    assert_scores_close(scores, want_scores, c)
+    own_path, own_q = walk_reference(scores, temp, c["uniforms"])
+    assert mx.array_equal(path, own_path).item()
+    assert mx.allclose(q, own_q, atol=1e-5, rtol=1e-4).item()
+    wp, wq = kernels.run_metal("path_walk", kernels.walk_launch(want_scores, temp, c["uniforms"]))
+    twin_path, twin_q = walk_reference(want_scores, temp, c["uniforms"])
+    assert mx.array_equal(wp, twin_path).item()
+    assert mx.allclose(wq, twin_q, atol=1e-5, rtol=1e-4).item()
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not mx.metal.is_available(), reason=NO_METAL)
+def test_metal_dispatch_self_checks_and_differentiates(monkeypatch):
+    gpu_default()
+    monkeypatch.delenv(kernels.FORCE_REFERENCE_ENV, raising=False)
+    for k in kernels.KERNEL_NAMES:
+        check = kernels.self_check(k)
+        assert check.passed, check.detail
+        assert kernels.active_path(k) == "metal"
+    x, dyn, base = CONV_CASES["fp32 T=16 batch (2,3)"]
+    g = mx.grad(lambda a: (kernels.dynamic_conv(a, dyn, base) ** 2).sum())(x)
+    w = mx.grad(lambda a: (dynamic_conv_reference(a, dyn, base) ** 2).sum())(x)
+    assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item()
