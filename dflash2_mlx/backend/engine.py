@@ -1,0 +1,418 @@
+"""One loaded model (target + optional drafter) behind the async surface a model manager
+drives: ``start``/``stop``, ``generate``/``stream_generate``, ``chat``/``stream_chat``,
+``count_chat_tokens``, ``get_stats``, ``has_active_requests`` and ``abort``.
+
+Every MLX call runs on the backend's one worker thread (``worker.py``); the event loop only
+tokenizes and moves text. Requests run one at a time, first come first served, with at most
+``max_queue`` waiting; one more is refused at once with QueueFull.
+"""
+
+import asyncio
+import collections
+import gc
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, List, Optional, Sequence
+
+from .settings import ModelSettings
+from .stats import EngineStats
+from .stops import StopMatcher
+from .tool_calls import ToolCallSplitter
+from .worker import worker as default_worker
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take the request (not started, stopping)."""
+
+
+class QueueFull(EngineError):
+    """Too many requests are waiting for this model."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the model's context window."""
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(f"the prompt has {tokens} tokens; this model accepts at most {limit}")
+        self.tokens, self.limit = tokens, limit
+
+
+@dataclass
+class Chunk:
+    """A piece of a streamed response. The last one has ``finish_reason`` set:
+    'stop' (end of sequence or a stop string), 'length', 'tool_calls' or 'abort'."""
+    text: str
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tool_calls: List[dict] = field(default_factory=list)
+    tau: float = 0.0
+    cycles: int = 0
+    generation_tps: float = 0.0
+
+
+@dataclass
+class Completion:
+    """A whole response, as ``generate`` and ``chat`` return it."""
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    tool_calls: List[dict] = field(default_factory=list)
+    tau: float = 0.0
+    cycles: int = 0
+    generation_tps: float = 0.0
+    request_id: str = ""
+
+
+class _Turns:
+    """First-come-first-served admission: one request runs, ``max_waiting`` may wait."""
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting = max_waiting
+        self.busy = False
+        self.waiters = collections.deque()
+
+    async def enter(self):
+        if not self.busy and not self.waiters:
+            self.busy = True
+            return
+        if len(self.waiters) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiters)} requests are already waiting for this model")
+        turn = asyncio.get_running_loop().create_future()
+        self.waiters.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn in self.waiters:
+                self.waiters.remove(turn)
+            elif turn.done() and not turn.cancelled():
+                self.leave()  # the turn came as we were cancelled: pass it on
+            raise
+
+    def leave(self):
+        while self.waiters:
+            turn = self.waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.busy = False
+
+
+class _Request:
+    def __init__(self, request_id: str, ids: List[int], params: dict, tools=None):
+        self.id = request_id
+        self.ids = ids
+        self.params = params
+        self.tools = tools
+        self.aborted = threading.Event()
+        self.chunks: Optional[asyncio.Queue] = None
+
+
+_DONE = object()
+_ids = itertools.count(1)
+
+# OpenAI-style request options -> stream_generate / logits processor options.
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+
+
+class Engine:
+    def __init__(self, model_path, settings: Optional[ModelSettings] = None, *,
+                 draft: Optional[str] = None, model_id: Optional[str] = None,
+                 max_queue: int = 8, default_max_tokens: int = 512, worker=None):
+        self.model_path = str(model_path)
+        self.settings = settings or ModelSettings()
+        if draft is not None:
+            self.settings.dflash_enabled, self.settings.dflash_draft_model = True, draft
+        self.model_id = model_id or Path(self.model_path).name
+        self.max_queue = max_queue
+        self.default_max_tokens = default_max_tokens
+        self.tokenizer = None
+        self.context_window: Optional[int] = None
+        self._worker = worker or default_worker()
+        self._model = self._drafter = None
+        self._turns = _Turns(max_queue)
+        self._requests = {}
+        self._jobs = set()
+        self._stats = EngineStats()
+        self._stopping = False
+        self.last_used = time.monotonic()
+
+    # Lifecycle ------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._model is not None and not self._stopping
+
+    async def start(self):
+        """Load the target and drafter on the worker thread (a no-op when running)."""
+        if self._model is not None:
+            return
+        self._stopping = False
+        await asyncio.wrap_future(self._worker.submit(self._load))
+        self.last_used = time.monotonic()
+
+    def _load(self):
+        from ..generate import check_block_size, load
+
+        model, tokenizer, drafter = load(self.model_path, self.settings.draft,
+                                         **self.settings.load_kwargs())
+        if drafter is not None and self.settings.dflash_block_size is not None:
+            check_block_size(drafter, self.settings.dflash_block_size)
+        self._model, self.tokenizer, self._drafter = model, tokenizer, drafter
+        self.context_window = self.settings.max_context_window or _config_context(model)
+
+    async def stop(self):
+        """Abort every request, wait for the worker to let go, and free the models."""
+        self._stopping = True
+        self.abort()
+        while self._jobs:
+            await asyncio.wait([asyncio.wrap_future(j) for j in list(self._jobs)])
+        await asyncio.wrap_future(self._worker.submit(self._free))
+
+    def _free(self):
+        import mlx.core as mx
+
+        self._model = self._drafter = None
+        gc.collect()
+        mx.clear_cache()
+
+    # Requests -------------------------------------------------------------------------
+    def has_active_requests(self) -> bool:
+        return bool(self._requests)
+
+    def abort(self, request_id: Optional[str] = None) -> int:
+        """Stop one request (or all); returns how many were told to stop."""
+        hit = [r for r in self._requests.values() if request_id in (None, r.id)]
+        for r in hit:
+            r.aborted.set()
+        return len(hit)
+
+    def get_stats(self) -> dict:
+        stats = self._stats.snapshot()
+        stats.update(model=self.model_id, loaded=self._model is not None,
+                     drafter=self.settings.draft, max_queue=self.max_queue)
+        return stats
+
+    def encode(self, prompt) -> List[int]:
+        """Token ids of a text prompt, as ``dflash2_mlx.generate`` encodes it."""
+        self._check_running()
+        if isinstance(prompt, str):
+            tok = self.tokenizer
+            add_special = tok.bos_token is None or not prompt.startswith(tok.bos_token)
+            return list(tok.encode(prompt, add_special_tokens=add_special))
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise TypeError("prompt must be text or a list of token ids")
+
+    def encode_chat(self, messages: List[dict], tools: Optional[List[dict]] = None) -> List[int]:
+        """Token ids of chat messages rendered with the chat template (tools included)."""
+        self._check_running()
+        kwargs = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    async def count_chat_tokens(self, messages: List[dict], tools: Optional[List[dict]] = None) -> int:
+        return len(self.encode_chat(messages, tools))
+
+    async def generate(self, prompt, **params) -> Completion:
+        return await _collect(self.stream_generate(prompt, **params))
+
+    async def chat(self, messages: List[dict], tools: Optional[List[dict]] = None, **params) -> Completion:
+        return await _collect(self.stream_chat(messages, tools, **params))
+
+    def stream_generate(self, prompt, *, request_id: Optional[str] = None, **params) -> AsyncIterator[Chunk]:
+        """Stream a completion of ``prompt`` (text or token ids). Options: max_tokens,
+        temperature, top_p, top_k, min_p, seed, stop, presence/frequency/repetition
+        penalties, logit_bias. Raises PromptTooLong, QueueFull or EngineError."""
+        return self._stream(self.encode(prompt), params, request_id)
+
+    def stream_chat(self, messages: List[dict], tools: Optional[List[dict]] = None, *,
+                    request_id: Optional[str] = None, **params) -> AsyncIterator[Chunk]:
+        """Stream the assistant's reply; with ``tools`` (OpenAI function specs) they go to
+        the chat template, and tool calls come back in ``Chunk.tool_calls``."""
+        return self._stream(self.encode_chat(messages, tools), params, request_id, tools)
+
+    def _check_running(self):
+        if not self.running:
+            raise EngineError(f"model {self.model_id} is not running")
+
+    def _stream(self, ids, params, request_id, tools=None):
+        unknown = set(params) - set(SAMPLING_KEYS)
+        if unknown:
+            raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if self.context_window and len(ids) > self.context_window:
+            raise PromptTooLong(len(ids), self.context_window)
+        self._check_running()
+        if self._turns.busy and len(self._turns.waiters) >= self.max_queue:
+            self._stats.move(rejected=1)
+            raise QueueFull(f"{self.max_queue} requests are already waiting for model {self.model_id}")
+        request = _Request(request_id or f"req-{next(_ids)}", ids, params, tools)
+        return self._serve(request)
+
+    async def _serve(self, request: _Request) -> AsyncIterator[Chunk]:
+        self._check_running()
+        if request.id in self._requests:
+            raise EngineError(f"request id {request.id} is already in use")
+        loop = asyncio.get_running_loop()
+        request.chunks = asyncio.Queue()
+        self._requests[request.id] = request
+        self._stats.move(queued=1)
+        queued = True
+        job = None
+        try:
+            try:
+                await self._turns.enter()
+            except QueueFull:
+                self._stats.move(rejected=1)
+                raise
+            self._stats.move(queued=-1)
+            queued = False
+            self._check_running()
+            self.last_used = time.monotonic()
+
+            def push(item):
+                _call_soon(loop, request.chunks.put_nowait, item)
+
+            job = self._worker.submit(self._steps, request, push)
+            self._jobs.add(job)
+            job.add_done_callback(lambda f: _call_soon(loop, self._finished, request, f))
+            while True:
+                item = await request.chunks.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            request.aborted.set()  # a consumer that stops early stops the generation
+            if queued:
+                self._stats.move(queued=-1)
+            if job is None:  # never reached the worker
+                self._requests.pop(request.id, None)
+                if not queued:
+                    self._turns.leave()
+
+    def _finished(self, request: _Request, job):
+        self._jobs.discard(job)
+        self._requests.pop(request.id, None)
+        self._turns.leave()
+        self.last_used = time.monotonic()
+
+    # On the worker thread -------------------------------------------------------------
+    def _steps(self, request: _Request, push):
+        """Generate one request, a token per step; push Chunks, then _DONE."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        from ..generate import stream_generate
+
+        p, s = request.params, self.settings
+        n_prompt = len(request.ids)
+        self._stats.move(active=1)
+        if request.aborted.is_set():
+            self._stats.move(active=-1)
+            push(Chunk("", "abort", n_prompt))
+            push(_DONE)
+            return
+        mode = s.verify_mode(n_prompt)
+        penalties = {k: p.get(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                     if p.get(k)}
+        if p.get("logit_bias"):
+            penalties["logit_bias"] = {int(k): float(v) for k, v in p["logit_bias"].items()}
+        stop = p.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        matcher, tools = StopMatcher(stop), ToolCallSplitter(self.tokenizer, request.tools)
+        temp = _first(p.get("temperature"), s.temperature, 0.0)
+        last, finish, n, made_calls = None, None, 0, False
+        gen = None
+        try:
+            gen = stream_generate(
+                self._model, self.tokenizer, request.ids, self._drafter,
+                max_tokens=_first(p.get("max_tokens"), s.max_tokens, self.default_max_tokens),
+                temp=temp, top_p=_first(p.get("top_p"), s.top_p, 1.0),
+                top_k=_first(p.get("top_k"), s.top_k, 0), min_p=_first(p.get("min_p"), s.min_p, 0.0),
+                logits_processors=make_logits_processors(**penalties) if penalties else None,
+                block_size=s.dflash_block_size, verify_mode=mode, seed=p.get("seed"))
+            for last in gen:
+                n = last.generation_tokens
+                text, hit = matcher.add(last.text)
+                if hit:
+                    finish = "stop"
+                elif last.finish_reason:
+                    finish = last.finish_reason
+                    text += matcher.flush()
+                content, raw_calls = tools.add(text)
+                if finish:
+                    tail, more = tools.flush()
+                    content, raw_calls = content + tail, raw_calls + more
+                calls = tools.format(raw_calls)
+                made_calls |= bool(calls)
+                if finish == "stop" and made_calls:
+                    finish = "tool_calls"
+                if content or calls or finish:
+                    push(Chunk(content, finish, n_prompt, n, calls, last.tau, last.cycles,
+                               last.generation_tps))
+                if finish:
+                    break
+                yield
+                if request.aborted.is_set():
+                    finish = "abort"
+                    push(Chunk("", "abort", n_prompt, n))
+                    break
+        except Exception as e:
+            finish = "error"
+            push(e)
+        finally:
+            if gen is not None:
+                gen.close()
+            self._stats.move(active=-1)
+            if last is not None:
+                self._stats.add(
+                    prompt_tokens=n_prompt, generation_tokens=n,
+                    prompt_seconds=n_prompt / last.prompt_tps if last.prompt_tps else 0.0,
+                    generation_seconds=n / last.generation_tps if last.generation_tps else 0.0,
+                    cycles=last.cycles, tau=last.tau, position_accepted=last.acceptance_counts,
+                    plain=mode == "off" and self._drafter is not None, finish_reason=finish)
+            else:
+                self._stats.add(prompt_tokens=n_prompt, finish_reason=finish or "abort")
+            push(_DONE)
+
+
+def _call_soon(loop, fn, *args):
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop has closed
+        pass
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
+def _config_context(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    for obj in (args, getattr(args, "text_config", None)):
+        if isinstance(obj, dict):
+            value = obj.get("max_position_embeddings")
+        else:
+            value = getattr(obj, "max_position_embeddings", None)
+        if value:
+            return int(value)
+    return None
+
+
+async def _collect(chunks: AsyncIterator[Chunk]) -> Completion:
+    text, calls, last = "", [], None
+    async for last in chunks:
+        text += last.text
+        calls += last.tool_calls
+    return Completion(text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
+                      calls, last.tau, last.cycles, last.generation_tps)

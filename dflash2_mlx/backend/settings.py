@@ -1,0 +1,278 @@
+"""Per-model settings in oMLX's ``model_settings.json`` schema.
+
+The file is ``{"version": 1, "models": {model_id: {field: value, ...}}}`` with oMLX's field
+names. Fields this package reads are validated (an invalid value raises SettingsError naming
+the field); every other key is kept as it is, so a manager's own settings survive our writes.
+``None`` means "unset": such values are dropped on read and remove the key on write.
+
+Writes are atomic (temp file in the same directory, fsync, ``os.replace``) and serialized
+across processes with an ``fcntl`` lock on a side file; each write re-reads the file under the
+lock and merges only the keys it changes, so concurrent writers never lose each other's updates.
+"""
+
+import copy
+import fcntl
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+SETTINGS_VERSION = 1
+SETTINGS_ENV = "DFLASH2_MLX_SETTINGS"
+DEFAULT_SETTINGS = Path("~/.dflash2-mlx/model_settings.json")
+VERIFY_MODES = ("dflash", "off")
+FUTURE_VERIFY_MODES = ("adaptive", "ddtree")  # oMLX's other modes: not implemented here yet
+
+
+class SettingsError(ValueError):
+    """An invalid settings value or an unreadable settings file."""
+
+
+def _bool(v):
+    return isinstance(v, bool)
+
+
+def _int(v, lo=None, choices=None):
+    if not isinstance(v, int) or isinstance(v, bool):
+        return False
+    if choices is not None and v not in choices:
+        return False
+    return lo is None or v >= lo
+
+
+def _num(v, lo=None, hi=None, lo_open=False):
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        return False
+    return hi is None or v <= hi
+
+
+# field -> (check, what a valid value is); the fields this package reads.
+FIELDS = {
+    "dflash_enabled": (_bool, "true or false"),
+    "dflash_draft_model": (lambda v: isinstance(v, str) and v.strip() != "", "a drafter directory or hub id"),
+    "dflash_draft_quant_enabled": (_bool, "true or false"),
+    "dflash_draft_quant_weight_bits": (lambda v: _int(v, choices=(2, 4, 8)), "2, 4 or 8"),
+    "dflash_draft_quant_activation_bits": (lambda v: _int(v, choices=(16, 32)), "16 or 32"),
+    "dflash_draft_quant_group_size": (lambda v: _int(v, choices=(32, 64, 128)), "32, 64 or 128"),
+    "dflash_block_size": (lambda v: _int(v, lo=1), "an integer >= 1"),
+    "dflash_verify_mode": (lambda v: v in VERIFY_MODES, " or ".join(repr(m) for m in VERIFY_MODES)),
+    "dflash_max_ctx": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = no limit)"),
+    "max_context_window": (lambda v: _int(v, lo=1), "an integer >= 1"),
+    "max_tokens": (lambda v: _int(v, lo=1), "an integer >= 1"),
+    "temperature": (lambda v: _num(v, lo=0), "a number >= 0"),
+    "top_p": (lambda v: _num(v, lo=0, hi=1, lo_open=True), "a number in (0, 1]"),
+    "top_k": (lambda v: _int(v, lo=0), "an integer >= 0"),
+    "min_p": (lambda v: _num(v, lo=0, hi=1), "a number in [0, 1]"),
+    "is_pinned": (_bool, "true or false"),
+}
+
+
+def check_value(name: str, value):
+    """Raise SettingsError if ``value`` is not valid for the known field ``name``."""
+    if name not in FIELDS or value is None:
+        return
+    ok, expected = FIELDS[name]
+    if ok(value):
+        return
+    if name == "dflash_verify_mode" and value in FUTURE_VERIFY_MODES:
+        raise SettingsError(
+            f"dflash_verify_mode {value!r} is not supported yet; use {expected}")
+    raise SettingsError(f"{name} must be {expected}, got {value!r}")
+
+
+@dataclass
+class ModelSettings:
+    """One model's settings: the fields this package reads, typed; the rest in ``extra``."""
+    dflash_enabled: bool = False
+    dflash_draft_model: Optional[str] = None
+    dflash_draft_quant_enabled: bool = False
+    dflash_draft_quant_weight_bits: Optional[int] = None
+    dflash_draft_quant_activation_bits: Optional[int] = None
+    dflash_draft_quant_group_size: Optional[int] = None
+    dflash_block_size: Optional[int] = None
+    dflash_verify_mode: Optional[str] = None
+    dflash_max_ctx: Optional[int] = None
+    max_context_window: Optional[int] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    is_pinned: bool = False
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict, model_id: str = "") -> "ModelSettings":
+        if not isinstance(data, dict):
+            raise SettingsError(f"settings of {model_id or 'a model'} must be a JSON object")
+        known, extra = {}, {}
+        for k, v in data.items():
+            if v is None:
+                continue
+            if k in FIELDS:
+                try:
+                    check_value(k, v)
+                except SettingsError as e:
+                    raise SettingsError(f"{model_id}: {e}" if model_id else str(e)) from None
+                known[k] = v
+            else:
+                extra[k] = v
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict:
+        out = dict(self.extra)
+        defaults = ModelSettings.__dataclass_fields__
+        for name in FIELDS:
+            v = getattr(self, name)
+            if v is not None and v != defaults[name].default:
+                out[name] = v
+        return out
+
+    # What the engine uses -------------------------------------------------------------
+    @property
+    def draft(self) -> Optional[str]:
+        """The drafter to load, or None for plain decoding."""
+        return self.dflash_draft_model if self.dflash_enabled and self.dflash_draft_model else None
+
+    def load_kwargs(self) -> dict:
+        """Keyword arguments of ``dflash2_mlx.load`` for the drafter."""
+        kw = {}
+        if self.draft and self.dflash_draft_quant_enabled:
+            kw["draft_bits"] = self.dflash_draft_quant_weight_bits or 4
+            kw["draft_group_size"] = self.dflash_draft_quant_group_size or 64
+        if self.draft and self.dflash_draft_quant_activation_bits:
+            kw["draft_activation_bits"] = self.dflash_draft_quant_activation_bits
+        return kw
+
+    def verify_mode(self, prompt_tokens: int) -> str:
+        """'off' (plain decoding) above ``dflash_max_ctx`` prompt tokens or when disabled."""
+        if self.draft is None:
+            return "off"
+        if self.dflash_max_ctx and prompt_tokens > self.dflash_max_ctx:
+            return "off"
+        return self.dflash_verify_mode or "dflash"
+
+    def is_compatible(self, model_path) -> tuple:
+        """(ok, reason) for this model's drafter against the target at ``model_path``."""
+        from .compat import is_compatible
+
+        if not self.dflash_enabled:
+            return False, "DFlash is not enabled for this model (dflash_enabled is false)"
+        if not self.dflash_draft_model:
+            return False, "no drafter set (dflash_draft_model)"
+        return is_compatible(model_path, self.dflash_draft_model)
+
+
+def default_path() -> Path:
+    return Path(os.environ.get(SETTINGS_ENV) or DEFAULT_SETTINGS).expanduser()
+
+
+class SettingsStore:
+    """``model_settings.json`` on disk: read, validated updates, atomic locked writes."""
+
+    def __init__(self, path=None):
+        self.path = Path(path).expanduser() if path is not None else default_path()
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+
+    # Reading ---------------------------------------------------------------------------
+    def read(self) -> dict:
+        """The whole file as ``{"version", "models"}``; an absent file is empty."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {"version": SETTINGS_VERSION, "models": {}}
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SettingsError(f"{self.path} is not valid JSON: {e}") from e
+        if not isinstance(data, dict) or not isinstance(data.get("models", {}), dict):
+            raise SettingsError(f"{self.path} must hold {{\"version\": 1, \"models\": {{...}}}}")
+        data.setdefault("version", SETTINGS_VERSION)
+        data.setdefault("models", {})
+        return data
+
+    def model_ids(self):
+        return list(self.read()["models"])
+
+    def raw(self, model_id: str) -> dict:
+        return copy.deepcopy(self.read()["models"].get(model_id, {}))
+
+    def get(self, model_id: str) -> ModelSettings:
+        """A model's settings (defaults for a model the file does not mention)."""
+        return ModelSettings.from_dict(self.raw(model_id), model_id)
+
+    # Writing ---------------------------------------------------------------------------
+    def update(self, model_id: str, changes: dict) -> ModelSettings:
+        """Set the given keys of one model (``None`` removes a key); returns the result."""
+        for k, v in changes.items():
+            try:
+                check_value(k, v)
+            except SettingsError as e:
+                raise SettingsError(f"{model_id}: {e}") from None
+        with self.locked():
+            data = self.read()
+            entry = {k: v for k, v in data["models"].get(model_id, {}).items() if v is not None}
+            for k, v in changes.items():
+                if v is None:
+                    entry.pop(k, None)
+                else:
+                    entry[k] = v
+            result = ModelSettings.from_dict(entry, model_id)
+            data["models"][model_id] = entry
+            self._write(data)
+        return result
+
+    def set(self, model_id: str, **changes) -> ModelSettings:
+        return self.update(model_id, changes)
+
+    def remove(self, model_id: str) -> bool:
+        with self.locked():
+            data = self.read()
+            found = data["models"].pop(model_id, None) is not None
+            if found:
+                self._write(data)
+        return found
+
+    @contextmanager
+    def locked(self):
+        """An exclusive lock shared by every process that writes this file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _write(self, data: dict):
+        """Temp file + fsync + rename: readers see the old file or the new one, never half."""
+        data = {"version": data.get("version", SETTINGS_VERSION), **data}
+        text = json.dumps(data, indent=2, sort_keys=False) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            if self.path.exists():
+                os.chmod(tmp, self.path.stat().st_mode & 0o777)
+            else:
+                os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
