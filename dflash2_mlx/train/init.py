@@ -1,0 +1,101 @@
+"""New drafters sized from a target, and DFlash 2 drafters warm-started from DFlash v1.
+
+A new drafter copies the target's width (it must: it reads the target's features and
+uses its embedding and LM head), heads, head size, MLP size, norm eps and RoPE, and
+takes its depth, block size, tapped layers, mask token, selector rank / top-k from
+the caller.  The config goes through ``DrafterConfig.from_dict`` of the published
+format, so what is trained is what ``load_drafter`` reads back.
+
+Warm start: the v2 drafter gets every v1 tensor; its convs are the identity (base tap 0
+= 1, tap 1 = 0, zero projection) and its successor codebook is zero, so every pair
+score equals the drafter's own logit and the greedy selector walk picks the argmax:
+the warm-started drafter first drafts exactly what the v1 drafter drafted.
+"""
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..config import DrafterConfig, V1_ARCH, V2_ARCH, default_target_layer_ids
+from ..drafter import Drafter
+from ..target import model_args
+
+
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """The tokenizer's mask token; else an embedding row no token uses; else pad; else the
+    last id.  The row's embedding is the target's (frozen): the drafter learns to read it."""
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if mask is not None and 0 <= mask < vocab_size:
+        return int(mask)
+    n = len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else vocab_size
+    if n < vocab_size:
+        return vocab_size - 1
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is not None and 0 <= pad < vocab_size:
+        return int(pad)
+    return vocab_size - 1
+
+
+def new_drafter_config(target_model, *, version: int = 2, num_layers: int = 5,
+                       block_size: int = 16, mask_token_id: int,
+                       target_layer_ids: Optional[Sequence[int]] = None,
+                       num_target_features: int = 5, intermediate_size: Optional[int] = None,
+                       selector_rank: int = 256, selector_top_k: int = 16,
+                       conv_group_size: int = 16) -> DrafterConfig:
+    args = model_args(target_model)
+    depth = len(target_model.layers)
+    ids = target_layer_ids
+    if ids is None:
+        ids = sorted(set(default_target_layer_ids(depth, min(num_target_features, depth))))
+    H = args.hidden_size
+    heads = args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or H // heads
+    cfg = dict(
+        architectures=[V2_ARCH if version == 2 else V1_ARCH],
+        model_type="qwen3",
+        hidden_size=H,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(args, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size or args.intermediate_size,
+        vocab_size=args.vocab_size,
+        rms_norm_eps=getattr(args, "rms_norm_eps", 1e-6),
+        rope_theta=getattr(args, "rope_theta", 10000.0),
+        rope_scaling=getattr(args, "rope_scaling", None),
+        max_position_embeddings=getattr(args, "max_position_embeddings", None) or 40960,
+        num_target_layers=depth,
+        dflash_config=dict(block_size=block_size, mask_token_id=int(mask_token_id),
+                           target_layer_ids=[int(i) for i in ids]),
+    )
+    if version == 2:
+        cfg["is_causal"] = False
+        cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=conv_group_size,
+                                    selector_rank=selector_rank, selector_top_k=selector_top_k)
+    return DrafterConfig.from_dict(cfg)
+
+
+def new_drafter(cfg: DrafterConfig, seed: int = 0) -> Drafter:
+    """A freshly initialised drafter (mlx defaults; v2 convs identity, successor zero)."""
+    mx.random.seed(seed)
+    drafter = Drafter(cfg)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def warm_start_v2(v1: Drafter, *, selector_rank: int = 256, selector_top_k: int = 16,
+                  conv_group_size: int = 16, seed: int = 0) -> Drafter:
+    """A DFlash 2 drafter holding ``v1``'s weights, with no-op convs and a selector that
+    starts as the drafter's own argmax."""
+    if v1.version != 1:
+        raise ValueError("warm_start_v2 takes a DFlash v1 drafter")
+    raw = v1.config.to_dict()
+    raw["architectures"] = [V2_ARCH]
+    # is_causal stays as v1 had it (absent = causal iff sliding), unlike fresh v2 configs.
+    raw["dflash_config"].update(conv_kernel_size=2, conv_group_size=conv_group_size,
+                                selector_rank=selector_rank, selector_top_k=selector_top_k)
+    v2 = new_drafter(DrafterConfig.from_dict(raw), seed)
+    v2.load_weights(list(tree_flatten(v1.parameters())), strict=False)
+    mx.eval(v2.parameters())
+    return v2

@@ -1,0 +1,206 @@
+"""The DFlash / DFlash 2 training objective.
+
+Per sequence, random anchors are drawn in the response.  Each block is
+``[anchor token, MASK x (B-1)]`` at absolute positions anchor..anchor+B-1; it sees the
+context rows (target features) strictly before its anchor, its own block (bidirectional
+unless the layer is causal) and no other block.  Blocks are laid out as a batch
+``[N, B]`` with per-block RoPE offsets, so the dynamic conv runs inside each block only,
+exactly as at inference (``Drafter.__call__`` over one block).
+
+Loss: CE on block positions 1..B-1 weighted ``exp(-(k-1)/gamma)``; DFlash 2 adds the
+selector CE over the top-k candidates with the true predecessor teacher-forced
+(position 1's predecessor is the anchor), skipping positions whose true token is not a
+candidate.  Differentiation goes through the pure-MLX twins
+(``dynamic_conv_reference``, ``pair_scores_reference``), never the Metal dispatch.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..conv import dynamic_conv_reference
+from ..selector import pair_scores_reference
+
+# gamma of the published recipe; other block sizes interpolate linearly between these
+# points and extrapolate with the slope of the nearest segment (B/2 below 8, +1/3 per
+# position above 16).
+GAMMA_TABLE = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def decay_gamma(block_size: int) -> float:
+    pts = GAMMA_TABLE
+    if block_size <= pts[0][0]:
+        (b0, g0), (b1, g1) = pts[0], pts[1]
+    elif block_size >= pts[-1][0]:
+        (b0, g0), (b1, g1) = pts[-2], pts[-1]
+    else:
+        i = next(i for i in range(1, len(pts)) if block_size <= pts[i][0])
+        (b0, g0), (b1, g1) = pts[i - 1], pts[i]
+    return g0 + (g1 - g0) * (block_size - b0) / (b1 - b0)
+
+
+def position_weights(block_size: int) -> mx.array:
+    """Loss weights of block positions 1..B-1: exp(-(k-1)/gamma)."""
+    k = np.arange(1, block_size, dtype=np.float64)
+    return mx.array(np.exp(-(k - 1) / decay_gamma(block_size)).astype(np.float32))
+
+
+@dataclass
+class Blocks:
+    """A training batch: S sequences of target features and N blocks drawn from them."""
+    features: mx.array  # [S, L, n*H] target features (row i = tapped states of token i)
+    block_ids: mx.array  # [N, B] anchor then mask ids
+    seq: mx.array  # [N] which sequence each block comes from
+    anchors: mx.array  # [N] absolute anchor positions
+    labels: mx.array  # [N, B-1] true tokens at anchor+1..anchor+B-1
+    valid: mx.array  # [N, B-1] 1.0 where the label lies inside the sequence
+
+
+def sample_anchors(rng: np.random.Generator, starts: Sequence[int], lengths: Sequence[int],
+                   max_anchors: int, full_blocks: int = 0):
+    """Anchors per sequence, without replacement, in the response [start, length-2].
+
+    ``full_blocks`` > 0 keeps only anchors whose whole block of that size has labels.
+    Returns (seq index, anchor) numpy arrays sorted by sequence then position."""
+    seqs, anchors = [], []
+    for s, (start, length) in enumerate(zip(starts, lengths)):
+        last = length - full_blocks if full_blocks else length - 2
+        pool = np.arange(max(start, 1), last + 1)
+        if pool.size == 0:
+            continue
+        pick = pool if pool.size <= max_anchors else np.sort(rng.choice(pool, max_anchors, replace=False))
+        seqs.append(np.full(pick.size, s))
+        anchors.append(pick)
+    if not anchors:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(seqs), np.concatenate(anchors)
+
+
+def make_blocks(tokens: List[List[int]], features: mx.array, seq: np.ndarray,
+                anchors: np.ndarray, block_size: int, mask_token_id: int) -> Blocks:
+    """Block ids, labels and validity for anchors ``anchors`` of sequences ``seq``."""
+    N, T = len(anchors), block_size - 1
+    labels = np.zeros((N, T), np.int64)
+    valid = np.zeros((N, T), np.float32)
+    first = np.zeros(N, np.int64)
+    for n, (s, a) in enumerate(zip(seq, anchors)):
+        ids = tokens[s]
+        first[n] = ids[a]
+        got = ids[a + 1 : a + block_size]
+        labels[n, : len(got)] = got
+        valid[n, : len(got)] = 1.0
+    block = np.full((N, block_size), mask_token_id, np.int64)
+    block[:, 0] = first
+    return Blocks(features, mx.array(block), mx.array(seq), mx.array(anchors),
+                  mx.array(labels), mx.array(valid))
+
+
+def attention_mask(anchors: mx.array, ctx_len: int, block_size: int, causal: bool,
+                   window: Optional[int] = None) -> mx.array:
+    """Boolean [N, 1, B, ctx_len + B]: context rows j < anchor (the last ``window - 1`` of
+    them on sliding layers), the own block (lower-triangular when causal)."""
+    j = mx.arange(ctx_len)[None, :]
+    a = anchors[:, None]
+    ctx = j < a
+    if window:
+        ctx = ctx & (j >= a - (window - 1))
+    N = anchors.shape[0]
+    ctx = mx.broadcast_to(ctx[:, None, :], (N, block_size, ctx_len))
+    inner = mx.ones((block_size, block_size), dtype=mx.bool_)
+    if causal:
+        inner = mx.tril(inner)
+    inner = mx.broadcast_to(inner, (N, block_size, block_size))
+    return mx.concatenate([ctx, inner], axis=-1)[:, None]
+
+
+def _conv_prepare(conv, u):
+    dyn = conv.kernel_projection(u).reshape(*u.shape[:-1], 2, 2, conv.hidden_size // conv.group_size)
+    return dynamic_conv_reference(u, dyn[..., 0, :, :], conv.base_kernel[0]), dyn
+
+
+def _conv_finish(conv, y, dyn):
+    return dynamic_conv_reference(y, dyn[..., 1, :, :], conv.base_kernel[1])
+
+
+def layer_forward(layer, h, ctx_keys, ctx_values, offsets, mask):
+    """``DecoderLayer.__call__`` with the conv's reference twin (differentiable anywhere)."""
+    conv = "attention_conv" in layer
+    x = layer.input_layernorm(h)
+    if conv:
+        x, dyn = _conv_prepare(layer.attention_conv, x)
+    a = layer.self_attn(x, ctx_keys, ctx_values, offsets, mask)
+    h = h + (_conv_finish(layer.attention_conv, a, dyn) if conv else a)
+    x = layer.post_attention_layernorm(h)
+    if conv:
+        x, dyn = _conv_prepare(layer.mlp_conv, x)
+    m = layer.mlp(x)
+    return h + (_conv_finish(layer.mlp_conv, m, dyn) if conv else m)
+
+
+def block_forward(drafter, blocks: Blocks) -> mx.array:
+    """Final-normed drafter states [N, B, H] of every block, under the training mask."""
+    ctx = drafter.context(blocks.features)  # [S, L, H]
+    L = ctx.shape[1]
+    B = blocks.block_ids.shape[1]
+    h = drafter.embed(blocks.block_ids)
+    offsets = blocks.anchors.astype(mx.int32)
+    masks = {}
+    for layer in drafter.layers:
+        key = (layer.causal, layer.window if layer.sliding else None)
+        if key not in masks:
+            masks[key] = attention_mask(offsets, L, B, *key)
+        k, v = layer.self_attn.keys_values(ctx, 0)  # [S, kv, L, hd]
+        k, v = k[blocks.seq], v[blocks.seq]
+        h = layer_forward(layer, h, k, v, offsets, masks[key])
+    return drafter.norm(h)
+
+
+def selector_rows(drafter, logits, hidden, labels, anchor_ids):
+    """Scores of each position's top-k candidates given the true predecessor.
+
+    Returns (candidates [N, T, k], scores [N, T, k]).  Each (block, position) becomes
+    its own one-position lattice whose 'anchor' is the true predecessor, so the scores
+    come from the same ``pair_scores_reference`` the runtime twin uses."""
+    sel = drafter.candidate_selector
+    # top_candidates' order, with the indices cut from the graph (no VJP w.r.t. indices).
+    cand = mx.stop_gradient(mx.argsort(-mx.stop_gradient(logits), axis=-1)[..., : sel.top_k])
+    unary = mx.take_along_axis(logits, cand, axis=-1)
+    N, T, k = cand.shape
+    pred = mx.concatenate([anchor_ids[:, None], labels[:, :-1]], axis=1)
+    gate = sel.hidden_projection(hidden)
+    scores = pair_scores_reference(
+        unary.reshape(N * T, 1, k), cand.reshape(N * T, 1, k),
+        gate.reshape(N * T, 1, -1), pred.reshape(N * T),
+        sel.predecessor_codebook, sel.successor_codebook,
+    )
+    return cand, scores[:, 0, 0, :].reshape(N, T, k)
+
+
+def _ce(logits, target):
+    return mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+
+
+def loss(drafter, blocks: Blocks, selector_weight: float = 1.0):
+    """(total loss, metrics) of a batch of blocks."""
+    B = blocks.block_ids.shape[1]
+    hidden = block_forward(drafter, blocks)[:, 1:]
+    logits = drafter.logits(hidden)
+    w = position_weights(B)[None, :] * blocks.valid
+    wsum = mx.maximum(w.sum(), 1e-9)
+    ce = (_ce(logits, blocks.labels) * w).sum() / wsum
+    right = (mx.argmax(logits, axis=-1) == blocks.labels) * blocks.valid
+    metrics = {"ce": ce, "top1": right.sum() / mx.maximum(blocks.valid.sum(), 1.0)}
+    total = ce
+    if drafter.version == 2:
+        cand, rows = selector_rows(drafter, logits, hidden, blocks.labels, blocks.block_ids[:, 0])
+        hit = cand == blocks.labels[..., None]
+        inside = hit.any(axis=-1) * w
+        idx = mx.argmax(hit, axis=-1)
+        sel = (_ce(rows, idx) * inside).sum() / mx.maximum(inside.sum(), 1e-9)
+        metrics["selector_ce"] = sel
+        metrics["in_topk"] = (hit.any(axis=-1) * blocks.valid).sum() / mx.maximum(blocks.valid.sum(), 1.0)
+        total = total + selector_weight * sel
+    metrics["loss"] = total
+    return total, metrics

@@ -1,0 +1,212 @@
+"""The training loop: AdamW, linear warmup then cosine decay, gradient clipping, gradient
+accumulation, a seed, periodic checkpoints and exact resume.
+
+A checkpoint directory ``OUT/step-000100`` (and ``OUT/final``) is a drafter in the
+published format (``config.json`` + ``model.safetensors``, readable by ``load_drafter``
+and by other DFlash runtimes) plus ``training_state/``: ``optimizer.safetensors`` (AdamW
+moments, step, learning rate) and ``state.json`` (step, data position, the numpy RNG
+state of anchor sampling and data order, the loss history, the training config).  No
+pickle anywhere.  Resuming from it reproduces the run that did not stop.
+"""
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from ..drafter import Drafter
+from ..loading import load_drafter, save_drafter
+from ..target import Target
+from . import objective
+from .data import sequences
+from .features import target_features
+
+STATE_DIR = "training_state"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 6e-4
+    min_lr: float = 0.0
+    warmup: float = 0.04  # fraction of the steps
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    batch_size: int = 4  # sequences per micro-batch
+    grad_accum: int = 1
+    max_anchors: int = 64  # per sequence ("up to 512" in the recipe; CPU-sized here)
+    max_len: int = 1024  # tokens per sequence
+    selector_weight: float = 1.0
+    seed: int = 0
+    save_every: int = 0  # 0: only the final checkpoint
+    keep: int = 2  # periodic checkpoints kept
+    log_every: int = 1
+
+
+def schedule(cfg: TrainConfig):
+    warm = max(1, round(cfg.warmup * cfg.steps))
+    cosine = optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.min_lr)
+    return optim.join_schedules([optim.linear_schedule(cfg.lr / (warm + 1), cfg.lr, warm), cosine], [warm])
+
+
+def make_optimizer(cfg: TrainConfig):
+    return optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # next index into this epoch's order
+    rng: dict = field(default_factory=dict)
+    history: List[dict] = field(default_factory=list)
+
+
+class DataStream:
+    """Sequences in a seeded random order per epoch; position survives checkpoints."""
+
+    def __init__(self, records, cfg: TrainConfig, state: TrainState):
+        self.seqs = [s for s in sequences(records, cfg.max_len) if len(s[0]) - s[1] >= 2]
+        if not self.seqs:
+            raise ValueError("no training sequence has a response of 2 tokens or more")
+        self.cfg, self.state = cfg, state
+
+    def order(self):
+        return np.random.default_rng([self.cfg.seed, self.state.epoch]).permutation(len(self.seqs))
+
+    def next(self, n: int):
+        out = []
+        while len(out) < n:
+            order = self.order()
+            if self.state.position >= len(order):
+                self.state.epoch += 1
+                self.state.position = 0
+                continue
+            out.append(self.seqs[order[self.state.position]])
+            self.state.position += 1
+        return out
+
+
+def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig):
+    tokens = [s for s, _ in seqs]
+    feats = target_features(target, tokens)
+    seq, anchors = objective.sample_anchors(rng, [st for _, st in seqs], [len(t) for t in tokens],
+                                            cfg.max_anchors)
+    c = drafter.config
+    return objective.make_blocks(tokens, feats, seq, anchors, c.block_size, c.mask_token_id)
+
+
+def save_checkpoint(drafter: Drafter, optimizer, state: TrainState, cfg: TrainConfig, path):
+    """Drafter in the published format + training state, written atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter, tmp)
+    (tmp / STATE_DIR).mkdir()
+    mx.save_safetensors(str(tmp / STATE_DIR / "optimizer.safetensors"),
+                        dict(tree_flatten(optimizer.state)))
+    (tmp / STATE_DIR / "state.json").write_text(json.dumps(
+        {"state": asdict(state), "config": asdict(cfg)}, indent=1))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def latest_checkpoint(out_dir) -> Optional[Path]:
+    """The checkpoint with the highest step under ``out_dir`` (None if there is none)."""
+    best, best_step = None, -1
+    for d in Path(out_dir).glob("*"):
+        f = d / STATE_DIR / "state.json"
+        if d.is_dir() and not d.name.endswith(".tmp") and f.is_file():
+            step = json.loads(f.read_text())["state"]["step"]
+            if step > best_step or (step == best_step and d.name == "final"):
+                best, best_step = d, step
+    return best
+
+
+def load_checkpoint(path, cfg: TrainConfig):
+    """(drafter, optimizer, state) to continue from checkpoint ``path``."""
+    path = Path(path)
+    drafter = load_drafter(str(path))
+    drafter.train()
+    raw = json.loads((path / STATE_DIR / "state.json").read_text())
+    state = TrainState(**raw["state"])
+    optimizer = make_optimizer(cfg)
+    optimizer.init(drafter.trainable_parameters())
+    saved = mx.load(str(path / STATE_DIR / "optimizer.safetensors"))
+    optimizer.state = tree_unflatten(list(saved.items()))
+    return drafter, optimizer, state
+
+
+def _prune(out_dir: Path, keep: int):
+    steps = sorted(d for d in out_dir.glob("step-*") if d.is_dir() and not d.name.endswith(".tmp"))
+    for d in steps[:-keep] if keep > 0 else steps:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir,
+          cfg: TrainConfig, resume: bool = True, log: Optional[Callable[[dict], None]] = None):
+    """Train ``drafter`` against ``target_model`` on dataset ``records``.
+
+    With ``resume`` and a checkpoint under ``out_dir``, continue from it (``drafter`` may
+    then be None).  Returns the trained drafter; its history is in ``OUT/final``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    last = latest_checkpoint(out_dir) if resume else None
+    if last is not None:
+        drafter, optimizer, state = load_checkpoint(last, cfg)
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state.rng
+    else:
+        if drafter is None:
+            raise ValueError(f"no checkpoint under {out_dir} to resume and no drafter given")
+        drafter.train()
+        optimizer = make_optimizer(cfg)
+        state = TrainState()
+        rng = np.random.default_rng(cfg.seed)
+    target = Target(target_model, drafter.config.target_layer_ids)
+    drafter.bind(target.embed, target.lm_head)
+    data = DataStream(records, cfg, state)
+    step_fn = nn.value_and_grad(drafter, lambda b: objective.loss(drafter, b, cfg.selector_weight))
+
+    while state.step < cfg.steps:
+        tic = time.perf_counter()
+        grads, sums, n = None, {}, 0
+        for _ in range(cfg.grad_accum):
+            blocks = micro_batch(target, drafter, data.next(cfg.batch_size), rng, cfg)
+            if blocks.anchors.size == 0:
+                continue
+            (_, metrics), g = step_fn(blocks)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            mx.eval(grads, metrics)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v.item()
+            n += 1
+        if n == 0:
+            continue
+        grads = tree_map(lambda g: g / n, grads)
+        grads, norm = optim.clip_grad_norm(grads, cfg.clip)
+        lr = schedule(cfg)(mx.array(state.step)).item()  # what this update uses
+        optimizer.update(drafter, grads)
+        mx.eval(drafter.parameters(), optimizer.state)
+        state.step += 1
+        state.rng = rng.bit_generator.state
+        entry = {"step": state.step, **{k: v / n for k, v in sums.items()},
+                 "grad_norm": norm.item(), "lr": lr, "sec": time.perf_counter() - tic}
+        state.history.append(entry)
+        if log and (state.step % cfg.log_every == 0 or state.step == cfg.steps):
+            log(entry)
+        if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
+            save_checkpoint(drafter, optimizer, state, cfg, out_dir / f"step-{state.step:06d}")
+            _prune(out_dir, cfg.keep)
+    state.rng = rng.bit_generator.state
+    save_checkpoint(drafter, optimizer, state, cfg, out_dir / "final")
+    drafter.eval()
+    return drafter
