@@ -76,3 +76,51 @@ def bench_kernels(hidden: int = 5120, blocks=(5, 8), top_k: int = 16, rank: int 
             echo(f"{name:<14} H={hidden} B={L} batch={batch} k={top_k} r={rank} {dtype}: "
                  f"twin {twin_ms:.3f} ms  {shown}")
     return rows
+
+
+def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fox jumps over",
+                      max_tokens: int = 64, block_size=None, temp: float = 0.0,
+                      echo=print) -> dict:
+    """Share of one whole draft cycle (draft, propose, verify, accept) spent in the
+    dynamic conv and in the selector's scores + walk, on a (tiny) target/drafter pair.
+
+    The cycle time comes from a plain run; the conv and selector times from a second
+    run in which each of their calls is timed alone (``kernels.profile``). Returns
+    dict(cycles, cycle_ms, conv_ms, selector_ms, conv_share, selector_share, path)."""
+    from .generate import check_block_size, encode_prompt, load
+    from .sampling import SamplingParams
+    from .speculative import speculative_generate_step
+    from .target import Target
+
+    model, tokenizer, drafter = load(target, draft)
+    if drafter.version != 2:
+        raise ValueError("the conv and selector exist only in DFlash 2 drafters")
+    block_size = check_block_size(drafter, block_size)
+    t = Target(model, drafter.config.target_layer_ids)
+    drafter.bind(t.embed, t.lm_head)
+    ids = encode_prompt(tokenizer, prompt)
+    params = SamplingParams(temp=temp)
+
+    def run():
+        mx.random.seed(0)
+        steps = speculative_generate_step(ids, t, drafter, max_tokens=max_tokens,
+                                          params=params, block_size=block_size)
+        _, _, stats = next(steps)  # prefill and the first token: not a cycle
+        t0 = time.perf_counter()
+        for _ in steps:
+            pass
+        return (time.perf_counter() - t0) * 1e3, stats.cycles
+
+    run()  # warm-up
+    total_ms, cycles = run()
+    with kernels.profile() as spent:
+        _, profiled_cycles = run()
+    cycle_ms = total_ms / cycles
+    conv_ms = spent["dynamic_conv"][0] / profiled_cycles
+    sel_ms = spent["path_selector"][0] / profiled_cycles
+    path = kernels.active_path("dynamic_conv")
+    echo(f"draft cycle on {target} + {draft} (block {block_size}, {cycles} cycles, {path}): "
+         f"{cycle_ms:.2f} ms/cycle; conv {conv_ms:.3f} ms ({100 * conv_ms / cycle_ms:.1f}%), "
+         f"selector scores+walk {sel_ms:.3f} ms ({100 * sel_ms / cycle_ms:.1f}%)")
+    return dict(cycles=cycles, cycle_ms=cycle_ms, conv_ms=conv_ms, selector_ms=sel_ms,
+                conv_share=conv_ms / cycle_ms, selector_share=sel_ms / cycle_ms, path=path)

@@ -17,8 +17,10 @@ VJP), so training differentiates through the meaning, not the kernel.
 """
 
 import os
+import time
 import warnings
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import resources
 
 import mlx.core as mx
@@ -408,6 +410,35 @@ def _use_kernel(kernel: str) -> bool:
     return self_check(kernel).passed
 
 
+# ---- timing hook (for the draft-cycle share in kernel_bench) -----------------------
+
+_profile = None
+
+
+@contextmanager
+def profile():
+    """Time every dispatched call while active: yields {group: [ms, calls]} with groups
+    "dynamic_conv" and "path_selector" (scores and walk). Each call's inputs are
+    evaluated before its clock starts and its outputs before it stops, so calls are
+    timed alone (this adds sync points: time the surrounding work separately)."""
+    global _profile
+    _profile = {"dynamic_conv": [0.0, 0], "path_selector": [0.0, 0]}
+    try:
+        yield _profile
+    finally:
+        _profile = None
+
+
+def _timed(group, fn, *args):
+    mx.eval([a for a in args if isinstance(a, mx.array)])
+    t0 = time.perf_counter()
+    out = fn(*args)
+    mx.eval(out)
+    _profile[group][0] += (time.perf_counter() - t0) * 1e3
+    _profile[group][1] += 1
+    return out
+
+
 # ---- the functions the drafter calls ----------------------------------------------
 
 
@@ -420,6 +451,12 @@ _conv = _with_twin_vjp(_conv_kernel, dynamic_conv_reference, (True, True, True))
 
 def dynamic_conv(x, dyn, base):
     """conv(x, dyn, base)[t, c] = sum_o (base[o, c] + dyn[t, o, c // g]) * x[t - o, c]."""
+    if _profile is not None:
+        return _timed("dynamic_conv", _dynamic_conv, x, dyn, base)
+    return _dynamic_conv(x, dyn, base)
+
+
+def _dynamic_conv(x, dyn, base):
     if _use_kernel("dynamic_conv"):
         return _conv(x, dyn, base)
     return dynamic_conv_reference(x, dyn, base)
@@ -436,6 +473,13 @@ _scores = _with_twin_vjp(
 
 def pair_scores(unary, cand, gate, anchor, predecessor_codebook, successor_codebook):
     """All pair scores S[..., t, a, b] (see selector.pair_scores_reference)."""
+    args = (unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
+    if _profile is not None:
+        return _timed("path_selector", _pair_scores, *args)
+    return _pair_scores(*args)
+
+
+def _pair_scores(unary, cand, gate, anchor, predecessor_codebook, successor_codebook):
     if _use_kernel("path_selector"):
         return _scores(unary, cand, gate, mx.array(anchor), predecessor_codebook, successor_codebook)
     return pair_scores_reference(unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
@@ -443,6 +487,12 @@ def pair_scores(unary, cand, gate, anchor, predecessor_codebook, successor_codeb
 
 def walk(scores, temperature=0.0, uniforms=None):
     """(path [..., T] int32, q [..., T, k] float32) walked from the anchor."""
+    if _profile is not None:
+        return _timed("path_selector", _walk, scores, temperature, uniforms)
+    return _walk(scores, temperature, uniforms)
+
+
+def _walk(scores, temperature=0.0, uniforms=None):
     if _use_kernel("path_walk"):
         return tuple(run_metal("path_walk", walk_launch(scores, temperature, uniforms)))
     return walk_reference(scores, temperature, uniforms)
@@ -455,6 +505,15 @@ def select(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
     Same result as ``pair_scores`` followed by ``walk``; values only (no gradient
     through the walk).
     """
+    args = (unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
+            temperature, uniforms)
+    if _profile is not None:
+        return _timed("path_selector", _select, *args)
+    return _select(*args)
+
+
+def _select(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
+            temperature=0.0, uniforms=None):
     if _use_kernel("path_selector"):
         launch = selector_launch(unary, cand, gate, anchor, predecessor_codebook,
                                  successor_codebook, temperature, uniforms)

@@ -507,3 +507,15 @@ def test_metal_dispatch_self_checks_and_differentiates(monkeypatch):
     g = mx.grad(lambda a: (kernels.dynamic_conv(a, dyn, base) ** 2).sum())(x)
     w = mx.grad(lambda a: (dynamic_conv_reference(a, dyn, base) ** 2).sum())(x)
     assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item()
+
+
+def test_draft_cycle_share_on_the_tiny_pair(tmp_path, capsys):
+    from dflash2_mlx.kernel_bench import draft_cycle_share
+    from tiny_models import make_drafter, make_target
+
+    make_target(tmp_path / "target", hidden=64)
+    make_drafter(tmp_path / "drafter", tmp_path / "target", version=2)
+    r = draft_cycle_share(str(tmp_path / "target"), str(tmp_path / "drafter"), max_tokens=12)
+    assert r["cycles"] >= 1 and r["conv_ms"] > 0 and r["selector_ms"] > 0
+    assert 0 < r["conv_share"] < 1 and 0 < r["selector_share"] < 1
+    assert "ms/cycle" in capsys.readouterr().out
