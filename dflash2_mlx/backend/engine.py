@@ -134,6 +134,7 @@ class Engine:
         self.default_max_tokens = default_max_tokens
         self.tokenizer = None
         self.context_window: Optional[int] = None
+        self.vocab_size: Optional[int] = None
         self._worker = worker or default_worker()
         self._model = self._drafter = None
         self._turns = _Turns(max_queue)
@@ -164,7 +165,8 @@ class Engine:
         if drafter is not None and self.settings.dflash_block_size is not None:
             check_block_size(drafter, self.settings.dflash_block_size)
         self._model, self.tokenizer, self._drafter = model, tokenizer, drafter
-        self.context_window = self.settings.max_context_window or _config_context(model)
+        self.context_window = self.settings.max_context_window or _config_value(model, "max_position_embeddings")
+        self.vocab_size = _config_value(model, "vocab_size")
 
     async def stop(self):
         """Abort every request, wait for the worker to let go, and free the models."""
@@ -206,6 +208,9 @@ class Engine:
             add_special = tok.bos_token is None or not prompt.startswith(tok.bos_token)
             return list(tok.encode(prompt, add_special_tokens=add_special))
         if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < (self.vocab_size or float("inf"))]
+            if bad:
+                raise ValueError(f"token id(s) {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
             return list(prompt)
         raise TypeError("prompt must be text or a list of token ids")
 
@@ -397,13 +402,11 @@ def _first(*values):
     return next(v for v in values if v is not None)
 
 
-def _config_context(model) -> Optional[int]:
+def _config_value(model, key: str) -> Optional[int]:
+    """``key`` from the target's model args (or their nested text_config)."""
     args = getattr(model, "args", None)
     for obj in (args, getattr(args, "text_config", None)):
-        if isinstance(obj, dict):
-            value = obj.get("max_position_embeddings")
-        else:
-            value = getattr(obj, "max_position_embeddings", None)
+        value = obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
         if value:
             return int(value)
     return None

@@ -149,6 +149,11 @@ class ModelSettings:
             kw["draft_activation_bits"] = self.dflash_draft_quant_activation_bits
         return kw
 
+    def load_key(self) -> tuple:
+        """What a loaded engine depends on: a change means reloading it."""
+        return (self.draft, tuple(sorted(self.load_kwargs().items())), self.dflash_block_size,
+                self.max_context_window)
+
     def verify_mode(self, prompt_tokens: int) -> str:
         """'off' (plain decoding) above ``dflash_max_ctx`` prompt tokens or when disabled."""
         if self.draft is None:

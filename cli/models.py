@@ -1,0 +1,125 @@
+"""``dflash2-mlx models``: list, show and set model settings (model_settings.json)."""
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+models_app = typer.Typer(help="List, show and set per-model settings (oMLX's model_settings.json).",
+                         no_args_is_help=True)
+
+SETTINGS_OPTION = typer.Option(
+    None, "--settings", help="model_settings.json (default: $DFLASH2_MLX_SETTINGS or ~/.dflash2-mlx/model_settings.json).")
+
+
+def register(app: typer.Typer):
+    app.add_typer(models_app, name="models")
+
+
+def _store(settings: Optional[Path]):
+    from dflash2_mlx.backend.settings import SettingsStore
+
+    return SettingsStore(settings)
+
+
+def _fail(e: Exception):
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(2)
+
+
+@models_app.command("list")
+def list_models(
+    model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="Also list the model directories here."),
+    settings: Optional[Path] = SETTINGS_OPTION,
+):
+    """Models with settings (and those found in --model-dir): id, DFlash on/off, drafter."""
+    from dflash2_mlx.backend.settings import SettingsError
+
+    store = _store(settings)
+    try:
+        entries = store.read()["models"]
+    except SettingsError as e:
+        _fail(e)
+    ids = list(entries)
+    if model_dir is not None and model_dir.is_dir():
+        ids += sorted(p.name for p in model_dir.iterdir() if (p / "config.json").is_file() and p.name not in entries)
+    for model_id in ids:
+        raw = entries.get(model_id, {})
+        state = "dflash" if raw.get("dflash_enabled") and raw.get("dflash_draft_model") else "plain"
+        typer.echo(f"{model_id}\t{state}\t{raw.get('dflash_draft_model') or '-'}")
+
+
+@models_app.command("show")
+def show(model_id: str = typer.Argument(..., help="Model id."), settings: Optional[Path] = SETTINGS_OPTION):
+    """Print one model's settings as JSON."""
+    from dflash2_mlx.backend.settings import SettingsError
+
+    try:
+        raw = _store(settings).raw(model_id)
+    except SettingsError as e:
+        _fail(e)
+    typer.echo(json.dumps(raw, indent=2))
+
+
+def _parse_value(text: str):
+    if text in ("", "null", "none", "None"):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+@models_app.command("set")
+def set_(
+    model_id: str = typer.Argument(..., help="Model id."),
+    pairs: List[str] = typer.Argument(..., help="KEY=VALUE pairs (JSON values; KEY= or KEY=null removes the key)."),
+    settings: Optional[Path] = SETTINGS_OPTION,
+):
+    """Set settings of a model, e.g. `models set Qwen3-4B dflash_enabled=true dflash_draft_model=z-lab/Qwen3-4B-DFlash-b16`."""
+    from dflash2_mlx.backend.settings import SettingsError
+
+    changes = {}
+    for pair in pairs:
+        if "=" not in pair:
+            _fail(ValueError(f"expected KEY=VALUE, got {pair!r}"))
+        key, _, value = pair.partition("=")
+        changes[key.strip()] = _parse_value(value)
+    try:
+        result = _store(settings).update(model_id, changes)
+    except SettingsError as e:
+        _fail(e)
+    typer.echo(json.dumps(result.to_dict(), indent=2))
+
+
+@models_app.command("unset")
+def unset(
+    model_id: str = typer.Argument(..., help="Model id."),
+    keys: List[str] = typer.Argument(..., help="Keys to remove."),
+    settings: Optional[Path] = SETTINGS_OPTION,
+):
+    """Remove settings of a model."""
+    from dflash2_mlx.backend.settings import SettingsError
+
+    try:
+        _store(settings).update(model_id, {k: None for k in keys})
+    except SettingsError as e:
+        _fail(e)
+
+
+@models_app.command("check")
+def check(
+    model_id: str = typer.Argument(..., help="Model id."),
+    path: Path = typer.Argument(..., help="The target model's directory."),
+    settings: Optional[Path] = SETTINGS_OPTION,
+):
+    """Does the drafter in this model's settings fit the target at PATH? (configs only)."""
+    from dflash2_mlx.backend.settings import SettingsError
+
+    try:
+        ok, reason = _store(settings).get(model_id).is_compatible(path)
+    except SettingsError as e:
+        _fail(e)
+    typer.echo(("compatible: " if ok else "not compatible: ") + reason)
+    raise typer.Exit(0 if ok else 1)

@@ -1,0 +1,50 @@
+"""``dflash2-mlx serve``: the OpenAI-compatible server."""
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def register(app: typer.Typer):
+    app.command("serve")(serve)
+
+
+def serve(
+    model: List[str] = typer.Option(
+        [], "--model", "-m", help="A model to serve: PATH or ID=PATH (repeatable). Its id defaults to the directory name."),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", "-d", help="Drafter for the --model given (one --model only); overrides its settings."),
+    model_dir: Optional[Path] = typer.Option(
+        None, "--model-dir", help="Directory of model directories (oMLX layout): each one with a config.json is served under its name."),
+    settings: Optional[Path] = typer.Option(
+        None, "--settings", help="model_settings.json (default: $DFLASH2_MLX_SETTINGS or ~/.dflash2-mlx/model_settings.json)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    max_models: int = typer.Option(1, "--max-models", help="Most models loaded at once; the least recently used idle one is unloaded."),
+    memory_budget: Optional[float] = typer.Option(None, "--memory-budget", help="Most GB of weights loaded at once."),
+    queue_size: int = typer.Option(8, "--queue-size", help="Requests that may wait per model; one more gets 503."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Default max_tokens when a request and the settings give none."),
+    preload: bool = typer.Option(False, "--preload/--lazy", help="Load the --model models at start instead of on the first request."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+):
+    """Serve models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    from dflash2_mlx.backend.pool import EnginePool
+    from dflash2_mlx.backend.server import serve as run
+    from dflash2_mlx.backend.settings import SettingsStore
+
+    models = {}
+    for spec in model:
+        model_id, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        models[model_id or Path(path).expanduser().name] = path
+    if not models and model_dir is None:
+        raise typer.BadParameter("give --model PATH (repeatable) or --model-dir DIR")
+    if draft is not None and len(models) != 1:
+        raise typer.BadParameter("--draft needs exactly one --model")
+    overrides = {m: {"dflash_enabled": True, "dflash_draft_model": draft} for m in models} if draft else {}
+    pool = EnginePool(SettingsStore(settings), model_dir=model_dir, models=models, overrides=overrides,
+                      max_models=max(max_models, 1), memory_budget_gb=memory_budget,
+                      max_queue=queue_size, default_max_tokens=max_tokens)
+    typer.echo(f"dflash2-mlx: serving {', '.join(pool.model_ids()) or '(no models yet)'} "
+               f"at http://{host}:{port}/v1 (settings: {pool.store.path})", err=True)
+    run(pool, host=host, port=port, preload=list(models) if preload else (), log_level=log_level)

@@ -1,0 +1,146 @@
+"""Engines loaded on demand from the settings, at most ``max_models`` of them (and, if set,
+within a memory budget); the least recently used idle one is stopped to make room.
+
+Model ids are the sub-directories of ``model_dir`` that hold a config.json (oMLX's layout)
+plus any ``models`` given explicitly as ``{id: path}``. Settings come from the store on every
+load, so a model manager edits ``model_settings.json`` and the next load follows it; an idle
+engine whose settings changed is reloaded on its next request.
+"""
+
+import asyncio
+import collections
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .engine import Engine
+from .settings import ModelSettings, SettingsStore
+
+
+class UnknownModel(KeyError):
+    def __init__(self, model_id: str):
+        super().__init__(model_id)
+        self.model_id = model_id
+
+    def __str__(self):
+        return f"the model {self.model_id!r} does not exist"
+
+
+class PoolBusy(RuntimeError):
+    """Every loaded model is busy and there is no room for another."""
+
+
+def weights_bytes(path) -> int:
+    """Size of a model directory's safetensors (0 for a hub id not on disk)."""
+    p = Path(str(path)).expanduser()
+    return sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else 0
+
+
+class EnginePool:
+    def __init__(self, store: Optional[SettingsStore] = None, *, model_dir=None,
+                 models: Optional[Dict[str, str]] = None, overrides: Optional[Dict[str, dict]] = None,
+                 max_models: int = 1, memory_budget_gb: Optional[float] = None,
+                 max_queue: int = 8, default_max_tokens: int = 512):
+        self.store = store or SettingsStore()
+        self.model_dir = Path(model_dir).expanduser() if model_dir else None
+        self.models = dict(models or {})
+        self.overrides = {k: dict(v) for k, v in (overrides or {}).items()}
+        self.max_models = max_models
+        self.memory_budget = memory_budget_gb * 1e9 if memory_budget_gb else None
+        self.max_queue = max_queue
+        self.default_max_tokens = default_max_tokens
+        self.engines: "collections.OrderedDict[str, Engine]" = collections.OrderedDict()
+        self._lock = asyncio.Lock()
+
+    # Which models exist -----------------------------------------------------------------
+    def model_ids(self) -> List[str]:
+        ids = list(self.models)
+        if self.model_dir and self.model_dir.is_dir():
+            ids += sorted(p.name for p in self.model_dir.iterdir()
+                          if (p / "config.json").is_file() and p.name not in self.models)
+        return ids
+
+    def path_of(self, model_id: str) -> str:
+        if model_id in self.models:
+            return self.models[model_id]
+        if self.model_dir and "/" not in model_id and not model_id.startswith("."):
+            path = self.model_dir / model_id
+            if (path / "config.json").is_file():
+                return str(path)
+        raise UnknownModel(model_id)
+
+    def settings_of(self, model_id: str) -> ModelSettings:
+        raw = self.store.raw(model_id)
+        raw.update(self.overrides.get(model_id, {}))
+        return ModelSettings.from_dict(raw, model_id)
+
+    # Engines ----------------------------------------------------------------------------
+    async def get(self, model_id: str) -> Engine:
+        """The running engine for ``model_id``, loading it (and evicting others) if needed."""
+        path = self.path_of(model_id)
+        engine = self._reuse(model_id, self.settings_of(model_id))
+        if engine is not None:
+            return engine
+        async with self._lock:
+            settings = self.settings_of(model_id)
+            engine = self._reuse(model_id, settings)
+            if engine is not None:
+                return engine
+            if model_id in self.engines:
+                await self._unload(model_id)  # load settings changed: reload with the new ones
+            await self._make_room(path, settings)
+            engine = Engine(path, settings, model_id=model_id, max_queue=self.max_queue,
+                            default_max_tokens=self.default_max_tokens)
+            await engine.start()
+            self.engines[model_id] = engine
+            return engine
+
+    def _reuse(self, model_id: str, settings: ModelSettings) -> Optional[Engine]:
+        """The loaded engine if its load settings still hold (or it is busy)."""
+        engine = self.engines.get(model_id)
+        if engine is None or not engine.running:
+            return None
+        if engine.settings.load_key() != settings.load_key() and not engine.has_active_requests():
+            return None
+        if engine.settings.load_key() == settings.load_key():
+            engine.settings = settings  # sampling defaults apply from the next request
+        self.engines.move_to_end(model_id)
+        return engine
+
+    async def _make_room(self, path, settings: ModelSettings):
+        need = weights_bytes(path) + (weights_bytes(settings.draft) if settings.draft else 0)
+        while self.engines and (len(self.engines) >= self.max_models or self._over_budget(need)):
+            idle = [m for m, e in self.engines.items()
+                    if not e.has_active_requests() and not e.settings.is_pinned]
+            if not idle:
+                raise PoolBusy(f"all {len(self.engines)} loaded model(s) are busy or pinned; "
+                               "try again when a request finishes")
+            await self._unload(idle[0])  # OrderedDict order: least recently used first
+
+    def _over_budget(self, need: int) -> bool:
+        if self.memory_budget is None:
+            return False
+        held = sum(weights_bytes(e.model_path) + (weights_bytes(e.settings.draft) if e.settings.draft else 0)
+                   for e in self.engines.values())
+        return held + need > self.memory_budget
+
+    async def _unload(self, model_id: str):
+        engine = self.engines.pop(model_id)
+        await engine.stop()
+
+    async def unload(self, model_id: str) -> bool:
+        async with self._lock:
+            if model_id not in self.engines:
+                return False
+            await self._unload(model_id)
+            return True
+
+    async def stop(self):
+        async with self._lock:
+            for model_id in list(self.engines):
+                await self._unload(model_id)
+
+    def get_stats(self) -> dict:
+        return {m: e.get_stats() for m, e in self.engines.items()}
+
+    def has_active_requests(self) -> bool:
+        return any(e.has_active_requests() for e in self.engines.values())

@@ -1,0 +1,192 @@
+"""The OpenAI wire format: validated request bodies, response and chunk bodies, error bodies."""
+
+import time
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Request(BaseModel):
+    # Strict: "0.5" is not a temperature. Unknown OpenAI options are accepted and ignored.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    stop: Optional[Union[str, List[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[Dict[str, Any]] = None
+    n: int = Field(1, ge=1, le=1)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    logit_bias: Optional[Dict[str, float]] = None
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for k, b in (v or {}).items():
+            if not k.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
+        return v
+
+    def options(self) -> dict:
+        """Engine generation options: only those the client set."""
+        keys = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, List[int], List[str]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            v = v[0]
+        if len(v) == 0:
+            raise ValueError("the prompt is empty")
+        return v
+
+    @field_validator("echo", "logprobs", "suffix")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+
+    def as_template_input(self) -> dict:
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}] parts -> text
+            if any(p.get("type") != "text" for p in self.content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            out["content"] = "".join(p.get("text", "") for p in self.content)
+        out.setdefault("content", "")
+        return out
+
+
+class ChatRequest(_Request):
+    messages: List[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    logprobs: Optional[bool] = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs is not supported by this server")
+        return v
+
+    def options(self) -> dict:
+        out = super().options()
+        if self.max_completion_tokens is not None and self.max_tokens is None:
+            out["max_tokens"] = self.max_completion_tokens
+        return out
+
+    def template_messages(self) -> List[dict]:
+        return [m.as_template_input() for m in self.messages]
+
+
+def validation_error(e) -> APIError:
+    """The first pydantic error as an OpenAI 400, naming the parameter."""
+    err = e.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if not str(x).startswith(("function-", "tagged-"))]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return APIError(400, f"invalid value for {param}: {msg}" if param else msg, param=loc[0] if loc else None)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(rid, model, completion) -> dict:
+    message = {"role": "assistant", "content": completion.text}
+    if completion.tool_calls:
+        message["tool_calls"] = completion.tool_calls
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason,
+                     "logprobs": None}],
+        "usage": usage(completion.prompt_tokens, completion.completion_tokens),
+        "dflash": {"tau": completion.tau, "cycles": completion.cycles},
+    }
+
+
+def chat_chunk(rid, model, created, delta: dict, finish_reason=None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def completion_response(rid, model, completion) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
+                     "logprobs": None}],
+        "usage": usage(completion.prompt_tokens, completion.completion_tokens),
+        "dflash": {"tau": completion.tau, "cycles": completion.cycles},
+    }
+
+
+def completion_chunk(rid, model, created, text: str, finish_reason=None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def usage_chunk(rid, model, created, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}

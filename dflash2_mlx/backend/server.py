@@ -1,0 +1,243 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an engine pool.
+
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming or
+one JSON body), ``GET /health``, ``GET /metrics`` (engine stats). Each model serves one request
+at a time; a full queue answers 503 at once. Errors use OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``. A client that disconnects stops its
+generation.
+"""
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import EngineError, PromptTooLong, QueueFull
+from .pool import EnginePool, PoolBusy, UnknownModel
+from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
+                       completion_chunk, completion_response, error_body, new_id, usage_chunk,
+                       validation_error)
+from .settings import SettingsError
+
+log = logging.getLogger("dflash2_mlx.server")
+MAX_BODY_BYTES = 16 * 1024 * 1024
+DISCONNECT_POLL_S = 0.25
+
+
+def create_app(pool: EnginePool, preload=()) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        for model_id in preload:
+            await pool.get(model_id)
+        yield
+        await pool.stop()
+
+    app = FastAPI(title="dflash2-mlx", lifespan=lifespan)
+    app.state.pool = pool
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation(request, e):
+        err = validation_error(e)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(request, e):
+        log.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "loaded_models": list(pool.engines),
+                "active_requests": pool.has_active_requests()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return {"models": pool.get_stats(), "active_requests": pool.has_active_requests()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(m) for m in pool.model_ids()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in pool.model_ids():
+            raise _unknown(model_id)
+        return _model_card(model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatRequest)
+        engine = await _engine(pool, body.model)
+        rid = new_id("chatcmpl")
+        messages = body.template_messages()
+        with _mapped_errors():
+            if body.stream:
+                chunks = engine.stream_chat(messages, body.tools, request_id=rid, **body.options())
+                return _sse(_chat_events(rid, body, chunks), engine, rid)
+            completion = await _until_disconnect(
+                request, engine.chat(messages, body.tools, request_id=rid, **body.options()), engine, rid)
+        return chat_response(rid, body.model, completion)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        engine = await _engine(pool, body.model)
+        rid = new_id("cmpl")
+        with _mapped_errors():
+            if body.stream:
+                chunks = engine.stream_generate(body.prompt, request_id=rid, **body.options())
+                return _sse(_completion_events(rid, body, chunks), engine, rid)
+            completion = await _until_disconnect(
+                request, engine.generate(body.prompt, request_id=rid, **body.options()), engine, rid)
+        return completion_response(rid, body.model, completion)
+
+    return app
+
+
+def _model_card(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "dflash2-mlx"}
+
+
+def _unknown(model_id: str) -> APIError:
+    return APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+
+
+async def _parse(request: Request, schema):
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+async def _engine(pool: EnginePool, model_id: str):
+    try:
+        return await pool.get(model_id)
+    except UnknownModel:
+        raise _unknown(model_id) from None
+    except PoolBusy as e:
+        raise APIError(503, str(e), type="server_error", code="server_busy") from None
+    except SettingsError as e:
+        raise APIError(500, f"the settings of {model_id} are invalid: {e}", type="server_error") from None
+    except (ValueError, OSError) as e:
+        raise APIError(500, f"model {model_id} failed to load: {e}", type="server_error") from None
+
+
+class _mapped_errors:
+    """Engine exceptions -> OpenAI error statuses."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or isinstance(e, APIError):
+            return False
+        if isinstance(e, PromptTooLong):
+            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+        if isinstance(e, QueueFull):
+            raise APIError(503, f"server busy: {e}", type="server_error", code="queue_full") from None
+        if isinstance(e, EngineError):
+            raise APIError(503, str(e), type="server_error") from None
+        if isinstance(e, (ValueError, TypeError)):
+            raise APIError(400, str(e)) from None
+        return False
+
+
+async def _until_disconnect(request: Request, work, engine, rid):
+    """Await ``work``; if the client goes away first, abort the request."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                engine.abort(rid)
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            engine.abort(rid)
+            task.cancel()
+
+
+def _sse(events, engine, rid) -> StreamingResponse:
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except (QueueFull, EngineError) as e:
+            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+        except Exception as e:
+            log.exception("stream failed")
+            yield f"data: {json.dumps(error_body(f'internal error: {e}', 'server_error'))}\n\n"
+        finally:
+            engine.abort(rid)  # no-op once finished; stops the generation on a disconnect
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _chat_events(rid, body: ChatRequest, chunks):
+    created = int(time.time())
+    yield chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})
+    last, calls = None, 0
+    async for last in chunks:
+        delta = {}
+        if last.text:
+            delta["content"] = last.text
+        if last.tool_calls:
+            delta["tool_calls"] = [{"index": calls + i, **c} for i, c in enumerate(last.tool_calls)]
+            calls += len(last.tool_calls)
+        if delta or last.finish_reason:
+            yield chat_chunk(rid, body.model, created, delta, last.finish_reason)
+    if body.include_usage and last is not None:
+        yield usage_chunk(rid, body.model, created, "chat.completion.chunk",
+                          last.prompt_tokens, last.completion_tokens)
+
+
+async def _completion_events(rid, body: CompletionRequest, chunks):
+    created = int(time.time())
+    last = None
+    async for last in chunks:
+        yield completion_chunk(rid, body.model, created, last.text, last.finish_reason)
+    if body.include_usage and last is not None:
+        yield usage_chunk(rid, body.model, created, "text_completion",
+                          last.prompt_tokens, last.completion_tokens)
+
+
+def serve(pool: EnginePool, host: str = "127.0.0.1", port: int = 8000, preload=(),
+          log_level: str = "info"):
+    """Run the server until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(pool, preload), host=host, port=port, log_level=log_level)
