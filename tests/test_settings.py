@@ -1,0 +1,252 @@
+"""model_settings.json: oMLX schema, validation, atomic and concurrent writes, pair check."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash2_mlx.backend import settings as settings_module
+from dflash2_mlx.backend.compat import is_compatible
+from dflash2_mlx.backend.settings import ModelSettings, SettingsError, SettingsStore
+from dflash2_mlx.cli.main import app
+from tiny_models import make_drafter, make_target
+
+SETTINGS_FILE = Path(settings_module.__file__)
+# Writer processes load settings.py alone (stdlib only), so they start in milliseconds.
+PRELUDE = f"""
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("settings", {str(SETTINGS_FILE)!r})
+settings = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(settings)
+SettingsStore = settings.SettingsStore
+"""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = make_target(root / "target")
+    return target, make_drafter(root / "drafter", target)
+
+
+def oMLX_file(path: Path) -> dict:
+    """A file as oMLX writes it: manager-only keys, nulls, a second model, extra top-level keys."""
+    data = {
+        "version": 1,
+        "models": {
+            "Qwen3-4B": {"is_pinned": True, "temperature": 0.7, "display_name": "Qwen",
+                         "chat_template_kwargs": {"enable_thinking": False}, "ttl_seconds": None},
+            "other": {"dflash_enabled": False, "turboquant_kv_bits": 4},
+        },
+        "profiles_version": 1,
+    }
+    path.write_text(json.dumps(data))
+    return data
+
+
+def test_roundtrip_keeps_unknown_keys_and_drops_none(tmp_path):
+    path = tmp_path / "model_settings.json"
+    before = oMLX_file(path)
+    store = SettingsStore(path)
+    s = store.update("Qwen3-4B", {"dflash_enabled": True, "dflash_draft_model": "z-lab/Qwen3-4B-DFlash-b16",
+                                  "dflash_draft_quant_enabled": True, "dflash_draft_quant_weight_bits": 4,
+                                  "dflash_max_ctx": 4096, "temperature": None})
+    assert s.dflash_enabled and s.draft == "z-lab/Qwen3-4B-DFlash-b16" and s.temperature is None
+    assert s.is_pinned and s.extra == {"display_name": "Qwen", "chat_template_kwargs": {"enable_thinking": False}}
+    on_disk = json.loads(path.read_text())
+    assert on_disk["version"] == 1 and on_disk["profiles_version"] == 1
+    assert on_disk["models"]["other"] == before["models"]["other"]
+    entry = on_disk["models"]["Qwen3-4B"]
+    assert "temperature" not in entry and "ttl_seconds" not in entry  # None removes / is dropped
+    assert entry["display_name"] == "Qwen" and entry["chat_template_kwargs"] == {"enable_thinking": False}
+    assert entry["dflash_draft_quant_weight_bits"] == 4 and entry["is_pinned"] is True
+    # Read back: typed known fields, unknown keys in extra, nothing lost.
+    again = store.get("Qwen3-4B")
+    assert again.dflash_max_ctx == 4096 and again.is_pinned and again.extra["display_name"] == "Qwen"
+    assert again.load_kwargs() == {"draft_bits": 4, "draft_group_size": 64}
+    assert store.get("never-configured") == ModelSettings()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dflash_enabled", "yes"),
+    ("dflash_draft_model", ""),
+    ("dflash_draft_quant_weight_bits", 3),
+    ("dflash_draft_quant_weight_bits", True),
+    ("dflash_draft_quant_activation_bits", 8),
+    ("dflash_draft_quant_group_size", 48),
+    ("dflash_block_size", 0),
+    ("dflash_verify_mode", "tree"),
+    ("dflash_max_ctx", -1),
+    ("dflash_max_ctx", 1.5),
+    ("max_context_window", 0),
+    ("temperature", -0.1),
+    ("top_p", 0.0),
+])
+def test_invalid_values_are_rejected_naming_the_field(tmp_path, field, value):
+    path = tmp_path / "model_settings.json"
+    before = json.dumps(oMLX_file(path))
+    with pytest.raises(SettingsError, match=field):
+        SettingsStore(path).update("Qwen3-4B", {field: value})
+    assert path.read_text() == before  # nothing written
+
+
+def test_unimplemented_verify_modes_say_so(tmp_path):
+    with pytest.raises(SettingsError, match="'adaptive' is not supported yet"):
+        SettingsStore(tmp_path / "s.json").set("m", dflash_verify_mode="adaptive")
+
+
+def test_invalid_value_in_the_file_is_reported_on_read(tmp_path):
+    path = tmp_path / "model_settings.json"
+    path.write_text(json.dumps({"version": 1, "models": {"m": {"dflash_draft_quant_group_size": 7}}}))
+    with pytest.raises(SettingsError, match="m: dflash_draft_quant_group_size"):
+        SettingsStore(path).get("m")
+    path.write_text("{not json")
+    with pytest.raises(SettingsError, match="not valid JSON"):
+        SettingsStore(path).read()
+
+
+def test_max_ctx_falls_back_to_plain_decoding():
+    s = ModelSettings(dflash_enabled=True, dflash_draft_model="d", dflash_max_ctx=100)
+    assert s.verify_mode(100) == "dflash" and s.verify_mode(101) == "off"
+    assert ModelSettings(dflash_enabled=True, dflash_draft_model="d", dflash_max_ctx=0).verify_mode(10**6) == "dflash"
+    assert ModelSettings(dflash_enabled=False, dflash_draft_model="d").verify_mode(1) == "off"
+    assert ModelSettings(dflash_enabled=True, dflash_draft_model="d", dflash_verify_mode="off").verify_mode(1) == "off"
+
+
+WRITER = PRELUDE + """
+store, who, n = SettingsStore(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+for i in range(n):
+    store.update("shared", {f"{who}_{i}": i})
+    store.update(f"model_{who}", {"count": i})
+"""
+
+
+def test_concurrent_writers_lose_no_update(tmp_path):
+    path = tmp_path / "model_settings.json"
+    writers, n = 4, 25
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), f"w{w}", str(n)])
+             for w in range(writers)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    data = json.loads(path.read_text())
+    shared = data["models"]["shared"]
+    assert len(shared) == writers * n
+    assert all(shared[f"w{w}_{i}"] == i for w in range(writers) for i in range(n))
+    assert all(data["models"][f"model_w{w}"]["count"] == n - 1 for w in range(writers))
+
+
+CRASH_BETWEEN_WRITE_AND_REPLACE = PRELUDE + """
+real_fsync = os.fsync
+def crash(fd):  # the new content is fully written to the temp file: die before the rename
+    real_fsync(fd)
+    os._exit(9)
+settings.os.fsync = crash
+SettingsStore(sys.argv[1]).set("m", dflash_enabled=False, note="new")
+"""
+
+
+def test_crash_between_write_and_replace_leaves_the_old_file(tmp_path):
+    path = tmp_path / "model_settings.json"
+    store = SettingsStore(path)
+    store.set("m", dflash_enabled=True, note="old")
+    before = path.read_text()
+    proc = subprocess.run([sys.executable, "-c", CRASH_BETWEEN_WRITE_AND_REPLACE, str(path)])
+    assert proc.returncode == 9  # it really died mid-write
+    assert path.read_text() == before
+    assert store.get("m").dflash_enabled is True
+    store.set("m", note="after")  # the lock of the dead writer does not block anyone
+    assert store.raw("m") == {"dflash_enabled": True, "note": "after"}
+
+
+def test_failed_write_keeps_the_file_and_cleans_up(tmp_path, monkeypatch):
+    path = tmp_path / "model_settings.json"
+    store = SettingsStore(path)
+    store.set("m", dflash_block_size=4)
+    before = path.read_text()
+
+    def disk_full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(settings_module.os, "replace", disk_full)
+    with pytest.raises(OSError):
+        store.set("m", dflash_block_size=6)
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+HAMMER = PRELUDE + """
+store = SettingsStore(sys.argv[1])
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    store.update(f"model_{i % 50}", {"blob": "x" * 20000, "i": i})
+"""
+
+
+def test_killed_writer_never_leaves_a_torn_file(tmp_path):
+    path = tmp_path / "model_settings.json"
+    SettingsStore(path).set("keep", dflash_enabled=True)
+    for delay in (0.05, 0.13, 0.21, 0.37):
+        proc = subprocess.Popen([sys.executable, "-c", HAMMER, str(path)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        data = json.loads(path.read_text())  # always whole JSON
+        assert data["version"] == 1 and data["models"]["keep"] == {"dflash_enabled": True}
+    assert len(data["models"]) > 1  # the writers did write
+
+
+def test_is_compatible_from_configs(pair, tmp_path):
+    target, drafter = pair
+    ok, reason = is_compatible(target, drafter)
+    assert ok, reason
+    # A drafter made for a wider target does not fit.
+    wide = make_target(tmp_path / "wide", hidden=32)
+    ok, reason = is_compatible(wide, drafter)
+    assert not ok and "hidden size" in reason
+    # Multimodal configs nest the sizes under text_config.
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    cfg = json.loads((target / "config.json").read_text())
+    nested = {k: cfg.pop(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
+    (mm / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_vl", "text_config": nested}))
+    assert is_compatible(mm, drafter)[0]
+    # The target is not a drafter, and a missing directory is reported.
+    ok, reason = is_compatible(target, target)
+    assert not ok and "not a DFlash drafter" in reason
+    ok, reason = is_compatible(tmp_path / "missing", drafter)
+    assert not ok and "target config" in reason
+    # Through the settings of a model.
+    s = ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter))
+    assert s.is_compatible(target)[0]
+    assert not ModelSettings(dflash_draft_model=str(drafter)).is_compatible(target)[0]
+
+
+def test_models_cli_sets_shows_lists_and_checks(tmp_path, pair):
+    target, drafter = pair
+    path = tmp_path / "model_settings.json"
+    oMLX_file(path)
+    run = CliRunner().invoke
+    r = run(app, ["models", "set", "Qwen3-4B", "dflash_enabled=true", f"dflash_draft_model={drafter}",
+                  "dflash_block_size=4", "temperature=", "--settings", str(path)])
+    assert r.exit_code == 0, r.output
+    entry = json.loads(path.read_text())["models"]["Qwen3-4B"]
+    assert entry["dflash_enabled"] is True and entry["dflash_block_size"] == 4 and "temperature" not in entry
+    assert entry["display_name"] == "Qwen"
+    r = run(app, ["models", "set", "Qwen3-4B", "dflash_draft_quant_weight_bits=5", "--settings", str(path)])
+    assert r.exit_code == 2 and "dflash_draft_quant_weight_bits" in r.output
+    r = run(app, ["models", "show", "Qwen3-4B", "--settings", str(path)])
+    assert json.loads(r.output)["dflash_draft_model"] == str(drafter)
+    r = run(app, ["models", "list", "--settings", str(path)])
+    assert r.exit_code == 0 and f"Qwen3-4B\tdflash\t{drafter}" in r.output and "other\tplain" in r.output
+    r = run(app, ["models", "check", "Qwen3-4B", str(target), "--settings", str(path)])
+    assert r.exit_code == 0 and r.output.startswith("compatible")
+    r = run(app, ["models", "unset", "Qwen3-4B", "dflash_enabled", "--settings", str(path)])
+    assert r.exit_code == 0 and "dflash_enabled" not in json.loads(path.read_text())["models"]["Qwen3-4B"]
