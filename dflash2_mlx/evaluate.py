@@ -1,0 +1,327 @@
+"""Measuring drafters the way the DFlash 2 paper does.
+
+Offline (teacher-forced on the target's own greedy response to each prompt, every
+anchor of the response with a full block after it):
+- Recall@1 and Recall@k per block position, each conditioned on every earlier position
+  being right (Recall@1: the drafter's argmax equals the target's token; Recall@k: the
+  target's token is among the top k; the paper's Table 1 - our position 1 is its 0);
+- oracle tau: 1 + the leading positions whose true token is in the top k (perfect
+  selection over the candidates), beside the top-1 tau (argmax drafting) and, for
+  DFlash 2, the greedy selector walk's tau.
+Online (real draft-verify runs through ``stream_generate`` at T=0 and T=1):
+- tau = (accepted draft tokens + cycles) / cycles, per benchmark and overall;
+- per-position acceptance: the fraction of cycles that accepted block position i
+  (the paper's Figure 5).
+``write_report`` saves report.json, report.md and recall.png / acceptance.png with one
+line per drafter, so several drafters compare side by side.
+"""
+
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .selector import pair_scores_reference, walk_reference
+from .target import Target
+from .train import objective
+from .train.data import encode, read_prompts
+from .train.features import target_features
+
+
+def load_benches(paths: Sequence, limit: Optional[int] = None) -> Dict[str, list]:
+    """{file stem: prompts} for jsonl files of text or chat records."""
+    return {Path(p).stem: [p for _, p in read_prompts(p, limit)] for p in paths}
+
+
+def leading(hits: np.ndarray) -> np.ndarray:
+    """Per row, how many positions from the first on are all hits."""
+    return np.cumprod(hits.astype(np.int64), axis=1).sum(axis=1)
+
+
+def conditional_counts(hits: np.ndarray):
+    """(num, den) per position: den = rows whose earlier positions all hit, num = those
+    that also hit here.  Recall = num / den."""
+    prefix = np.cumprod(hits.astype(np.int64), axis=1)
+    den = np.concatenate([[hits.shape[0]], prefix[:, :-1].sum(axis=0)])
+    return prefix.sum(axis=0), den
+
+
+class Tally:
+    """Counts that add up across prompts and benchmarks."""
+
+    def __init__(self, T: int):
+        self.c = {k: np.zeros(T, np.int64) for k in ("r1_num", "r1_den", "rk_num", "rk_den")}
+        self.s = {"blocks": 0, "oracle": 0, "top1": 0, "selector": 0}
+
+    def add(self, hit1, hitk, hitsel=None):
+        for name, h in (("r1", hit1), ("rk", hitk)):
+            num, den = conditional_counts(h)
+            self.c[f"{name}_num"] += num
+            self.c[f"{name}_den"] += den
+        n = hit1.shape[0]
+        self.s["blocks"] += n
+        self.s["oracle"] += int(leading(hitk).sum()) + n
+        self.s["top1"] += int(leading(hit1).sum()) + n
+        if hitsel is not None:
+            self.s["selector"] += int(leading(hitsel).sum()) + n
+
+    def merge(self, other: "Tally"):
+        for k in self.c:
+            self.c[k] += other.c[k]
+        for k in self.s:
+            self.s[k] += other.s[k]
+
+    def result(self, version: int) -> dict:
+        n = max(self.s["blocks"], 1)
+        ratio = lambda a, b: [float(x) / y if y else None for x, y in zip(a, b)]
+        out = {
+            "blocks": self.s["blocks"],
+            "recall_at_1": ratio(self.c["r1_num"], self.c["r1_den"]),
+            "recall_at_k": ratio(self.c["rk_num"], self.c["rk_den"]),
+            "tau_oracle": self.s["oracle"] / n,
+            "tau_top1": self.s["top1"] / n,
+        }
+        if version == 2:
+            out["tau_selector"] = self.s["selector"] / n
+        return out
+
+
+def offline_hits(target: Target, drafter, ids: List[int], start: int, block_size: int,
+                 top_k: int, max_anchors: Optional[int] = None, chunk: int = 32, seed: int = 0):
+    """(hit1, hitk, hitsel) [N, B-1] booleans over the full-block anchors of one sequence."""
+    feats = target_features(target, [ids])
+    rng = np.random.default_rng(seed)
+    seq, anchors = objective.sample_anchors(rng, [start], [len(ids)], max_anchors or len(ids),
+                                            full_blocks=block_size)
+    T = block_size - 1
+    out1, outk, outs = [], [], []
+    for i in range(0, len(anchors), chunk):
+        blocks = objective.make_blocks([ids], feats, seq[i : i + chunk], anchors[i : i + chunk],
+                                       block_size, drafter.config.mask_token_id)
+        hidden = objective.block_forward(drafter, blocks)[:, 1:]
+        logits = drafter.logits(hidden)
+        cand = mx.argsort(-logits, axis=-1)[..., :top_k]
+        labels = blocks.labels
+        out1.append(np.array(cand[..., 0] == labels))
+        outk.append(np.array((cand == labels[..., None]).any(axis=-1)))
+        if drafter.version == 2:
+            sel = drafter.candidate_selector
+            c = cand[..., : sel.top_k]
+            scores = pair_scores_reference(
+                mx.take_along_axis(logits, c, axis=-1), c, sel.hidden_projection(hidden),
+                blocks.block_ids[:, 0], sel.predecessor_codebook, sel.successor_codebook)
+            path, _ = walk_reference(scores)
+            drafted = mx.take_along_axis(c, path[..., None], axis=-1)[..., 0]
+            outs.append(np.array(drafted == labels))
+    if not out1:
+        empty = np.zeros((0, T), bool)
+        return empty, empty, (empty if drafter.version == 2 else None)
+    return (np.concatenate(out1), np.concatenate(outk),
+            np.concatenate(outs) if outs else None)
+
+
+def greedy_responses(model, tokenizer, prompts, max_tokens: int, batch_size: int = 8):
+    """(prompt ids + the target's greedy response, response start) per prompt."""
+    import importlib
+
+    batch_generate = importlib.import_module("mlx_lm.generate").batch_generate
+    enc = [encode(tokenizer, p) for p in prompts]
+    out = []
+    for b in range(0, len(enc), batch_size):
+        chunk = enc[b : b + batch_size]
+        res = batch_generate(model, tokenizer, chunk, max_tokens=max_tokens, return_token_ids=True)
+        out += [(ids + list(map(int, r)), len(ids)) for ids, r in zip(chunk, res.token_ids)]
+    return out
+
+
+class RunTally:
+    def __init__(self, T: int):
+        self.cycles = self.accepted = self.tokens = 0
+        self.seconds = 0.0
+        self.positions = np.zeros(T, np.int64)
+
+    def merge(self, o: "RunTally"):
+        self.cycles += o.cycles
+        self.accepted += o.accepted
+        self.tokens += o.tokens
+        self.seconds += o.seconds
+        self.positions += o.positions
+
+    def result(self) -> dict:
+        c = max(self.cycles, 1)
+        return {"tau": (self.accepted + self.cycles) / c if self.cycles else None,
+                "cycles": self.cycles, "tokens": self.tokens,
+                "tokens_per_s": self.tokens / self.seconds if self.seconds else None,
+                "acceptance_by_position": [float(x) / c for x in self.positions]}
+
+
+def real_runs(model, tokenizer, drafter, prompts, temp: float, block_size: int,
+              max_tokens: int, seed: int = 0) -> RunTally:
+    """Draft-verify runs through the public ``stream_generate``."""
+    from .generate import stream_generate
+
+    tally = RunTally(block_size - 1)
+    for i, prompt in enumerate(prompts):
+        last = None
+        tic = time.perf_counter()
+        for last in stream_generate(model, tokenizer, encode(tokenizer, prompt), drafter,
+                                    max_tokens=max_tokens, temp=temp, block_size=block_size,
+                                    seed=seed + i):
+            pass
+        tally.seconds += time.perf_counter() - tic
+        if last is None:
+            continue
+        tally.tokens += last.generation_tokens
+        tally.cycles += last.cycles
+        counts = np.array(last.acceptance_counts[: block_size - 1], np.int64)
+        tally.accepted += int(counts.sum())
+        tally.positions[: len(counts)] += counts
+    return tally
+
+
+def evaluate(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, list], *,
+             max_tokens: int = 128, temps: Sequence[float] = (0.0, 1.0),
+             block_size: Optional[int] = None, top_k: int = 16,
+             max_anchors: Optional[int] = None, seed: int = 0,
+             log=None) -> dict:
+    """Offline recall / oracle tau and real-run tau for each drafter on each benchmark."""
+    say = log or (lambda s: None)
+    report = {"config": {"max_tokens": max_tokens, "temps": list(temps), "top_k": top_k,
+                         "block_size": block_size, "max_anchors": max_anchors,
+                         "benches": {b: len(p) for b, p in benches.items()}},
+              "drafters": {}}
+    sequences = {}
+    for bench, prompts in benches.items():
+        say(f"[{bench}] target responses for {len(prompts)} prompts")
+        sequences[bench] = greedy_responses(model, tokenizer, prompts, max_tokens)
+    for name, drafter in drafters.items():
+        B = min(block_size or drafter.config.block_size, drafter.config.block_size)
+        target = Target(model, drafter.config.target_layer_ids)
+        drafter.bind(target.embed, target.lm_head)
+        entry = {"version": drafter.version, "block_size": B, "benches": {}}
+        total = Tally(B - 1)
+        runs_total = {t: RunTally(B - 1) for t in temps}
+        for bench, prompts in benches.items():
+            tally = Tally(B - 1)
+            for i, (ids, start) in enumerate(sequences[bench]):
+                hits = offline_hits(target, drafter, ids, start, B, top_k, max_anchors, seed=seed + i)
+                tally.add(*hits)
+            total.merge(tally)
+            res = tally.result(drafter.version)
+            res["runs"] = {}
+            for t in temps:
+                say(f"[{name}] {bench}: real runs at T={t:g}")
+                rt = real_runs(model, tokenizer, drafter, prompts, t, B, max_tokens, seed)
+                runs_total[t].merge(rt)
+                res["runs"][f"T={t:g}"] = rt.result()
+                # stream_generate binds its own Target; rebind for the next offline pass.
+                drafter.bind(target.embed, target.lm_head)
+            entry["benches"][bench] = res
+            say(f"[{name}] {bench}: " + summary_line(res))
+        overall = total.result(drafter.version)
+        overall["runs"] = {f"T={t:g}": runs_total[t].result() for t in temps}
+        entry["overall"] = overall
+        report["drafters"][name] = entry
+    return report
+
+
+def summary_line(res: dict) -> str:
+    runs = " ".join(f"tau({k}) {v['tau']:.2f}" for k, v in res["runs"].items() if v["tau"])
+    return (f"{runs} oracle tau {res['tau_oracle']:.2f} top-1 tau {res['tau_top1']:.2f} "
+            f"R@1[1] {_fmt(res['recall_at_1'][0])} R@k[1] {_fmt(res['recall_at_k'][0])}")
+
+
+def _fmt(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    k = report["config"]["top_k"]
+    temps = [f"T={t:g}" for t in report["config"]["temps"]]
+    lines = ["# Drafter evaluation", "",
+             f"Prompts per benchmark: {report['config']['benches']}; "
+             f"max tokens {report['config']['max_tokens']}; recall at k = {k}.", "",
+             "## Acceptance length", "",
+             "| drafter | benchmark | " + " | ".join(f"τ {t}" for t in temps)
+             + f" | oracle τ@{k} | top-1 τ | selector τ | R@1 pos 1 | R@{k} pos 1 | blocks |",
+             "|---|---|" + "---|" * (len(temps) + 6)]
+    for name, d in report["drafters"].items():
+        rows = list(d["benches"].items()) + [("**overall**", d["overall"])]
+        for bench, r in rows:
+            taus = " | ".join(_fmt(r["runs"][t]["tau"], 2) for t in temps)
+            lines.append(f"| {name} | {bench} | {taus} | {r['tau_oracle']:.2f} | {r['tau_top1']:.2f} | "
+                         f"{_fmt(r.get('tau_selector'), 2)} | {_fmt(r['recall_at_1'][0])} | "
+                         f"{_fmt(r['recall_at_k'][0])} | {r['blocks']} |")
+    for title, key in ((f"Recall@1 by position (overall, conditioned on earlier positions)", "recall_at_1"),
+                       (f"Recall@{k} by position (overall, conditioned on earlier positions)", "recall_at_k")):
+        lines += ["", f"## {title}", "", _position_table(report, lambda d: d["overall"][key])]
+    for t in temps:
+        lines += ["", f"## Acceptance rate by position ({t}, overall)", "",
+                  _position_table(report, lambda d: d["overall"]["runs"][t]["acceptance_by_position"])]
+    return "\n".join(lines) + "\n"
+
+
+def _position_table(report, get) -> str:
+    names = list(report["drafters"])
+    cols = {n: get(report["drafters"][n]) for n in names}
+    T = max(len(v) for v in cols.values())
+    rows = ["| position | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for t in range(T):
+        rows.append(f"| {t + 1} | " + " | ".join(_fmt(cols[n][t]) if t < len(cols[n]) else ""
+                                                  for n in names) + " |")
+    return "\n".join(rows)
+
+
+def plot(report: dict, out_dir) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    k = report["config"]["top_k"]
+    temps = [f"T={t:g}" for t in report["config"]["temps"]]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (name, d) in enumerate(report["drafters"].items()):
+        color = f"C{i}"
+        for key, style, label in (("recall_at_1", "-", "R@1"), ("recall_at_k", "--", f"R@{k}")):
+            ys = d["overall"][key]
+            ax.plot(range(1, len(ys) + 1), [np.nan if y is None else y for y in ys], style,
+                    color=color, marker="o", ms=3, label=f"{name} {label}")
+    ax.set_xlabel("block position")
+    ax.set_ylabel("recall (earlier positions right)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths = [out_dir / "recall.png"]
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.8), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for i, (name, d) in enumerate(report["drafters"].items()):
+            ys = d["overall"]["runs"][t]["acceptance_by_position"]
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, color=f"C{i}",
+                    label=f"{name} (τ {_fmt(d['overall']['runs'][t]['tau'], 2)})")
+        ax.set_title(f"acceptance by position, {t}")
+        ax.set_xlabel("block position")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance.png")
+    fig.savefig(paths[1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def write_report(report: dict, out_dir) -> List[Path]:
+    """report.json, report.md, recall.png, acceptance.png under ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "report.md").write_text(markdown(report))
+    return [out_dir / "report.json", out_dir / "report.md", *plot(report, out_dir)]
