@@ -86,7 +86,8 @@ def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fo
 
     The cycle time comes from a plain run; the conv and selector times from a second
     run in which each of their calls is timed alone (``kernels.profile``). Returns
-    dict(cycles, cycle_ms, conv_ms, selector_ms, conv_share, selector_share, path)."""
+    dict(cycles, cycle_ms, conv_ms, selector_ms, conv_share, selector_share, path,
+    profiled_cycle_ms: the per-cycle time of the timed run, sync points included)."""
     from .generate import check_block_size, encode_prompt, load
     from .sampling import SamplingParams
     from .speculative import speculative_generate_step
@@ -114,7 +115,7 @@ def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fo
     run()  # warm-up
     total_ms, cycles = run()
     with kernels.profile() as spent:
-        _, profiled_cycles = run()
+        profiled_ms, profiled_cycles = run()
     cycle_ms = total_ms / cycles
     conv_ms = spent["dynamic_conv"][0] / profiled_cycles
     sel_ms = spent["path_selector"][0] / profiled_cycles
@@ -123,4 +124,5 @@ def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fo
          f"{cycle_ms:.2f} ms/cycle; conv {conv_ms:.3f} ms ({100 * conv_ms / cycle_ms:.1f}%), "
          f"selector scores+walk {sel_ms:.3f} ms ({100 * sel_ms / cycle_ms:.1f}%)")
     return dict(cycles=cycles, cycle_ms=cycle_ms, conv_ms=conv_ms, selector_ms=sel_ms,
-                conv_share=conv_ms / cycle_ms, selector_share=sel_ms / cycle_ms, path=path)
+                conv_share=conv_ms / cycle_ms, selector_share=sel_ms / cycle_ms, path=path,
+                profiled_cycle_ms=profiled_ms / profiled_cycles)

@@ -309,9 +309,11 @@ def _check_inputs_conv():
     return x, dyn, base
 
 
-def _check_inputs_selector():
+def _check_inputs_selector(ties: bool = False):
     # Quarter-integer values: every product and sum is exact in fp32, so kernel and
     # twin must agree bit for bit whatever the summation order (or FMA contraction).
+    # With ties=True the pair terms vanish and the unary scores take only the values
+    # 0, 1, 2, so the greedy walk meets tied maxima at every step.
     key = mx.random.key(7)
     k = mx.random.split(key, 5)
     V, R, L, K = 40, 8, 4, 6
@@ -320,29 +322,34 @@ def _check_inputs_selector():
                      for kk in mx.random.split(k[0], 2)]).astype(mx.int32)
     unary, gate = q4((2, L, K), k[1]), q4((2, L, R), k[2])
     A, B = q4((V, R), k[3]), q4((V, R), k[4])
+    if ties:
+        unary = mx.round(mx.random.uniform(0, 2, (2, L, K), key=k[1]))
+        A = mx.zeros_like(A)
     anchor = mx.array([3, 11], dtype=mx.int32)
     uniforms = mx.random.uniform(shape=(2, L), key=k[0])
     return unary, cand, gate, anchor, A, B, uniforms
 
 
-def _self_check_conv():
+def _self_check_conv(run=None):
+    run = run or run_metal
     x, dyn, base = _check_inputs_conv()
     problems = []
     for dt in (mx.float32, mx.bfloat16):
         args = (x.astype(dt), dyn.astype(dt), base.astype(dt))
-        got = run_metal("dynamic_conv", conv_launch(*args))[0]
+        got = run("dynamic_conv", conv_launch(*args))[0]
         want = dynamic_conv_reference(*args)
         tol = 1e-5 if dt == mx.float32 else 2e-2
         problems.append(_compare(f"{dt}", got, want, tol, tol))
     return "; ".join(p for p in problems if p)
 
 
-def _self_check_selector():
-    unary, cand, gate, anchor, A, B, u = _check_inputs_selector()
-    want_scores = pair_scores_reference(unary, cand, gate, anchor, A, B)
+def _self_check_selector(run=None):
+    run = run or run_metal
     problems = []
-    for temp in (0.0, 0.7):
-        s, p, q = run_metal("path_selector", selector_launch(unary, cand, gate, anchor, A, B, temp, u))
+    for ties, temp in ((False, 0.0), (False, 0.7), (True, 0.0)):
+        unary, cand, gate, anchor, A, B, u = _check_inputs_selector(ties)
+        want_scores = pair_scores_reference(unary, cand, gate, anchor, A, B)
+        s, p, q = run("path_selector", selector_launch(unary, cand, gate, anchor, A, B, temp, u))
         wp, wq = walk_reference(want_scores, temp, u)
         problems += [
             _compare("scores", s, want_scores, 0, 0, exact=True),
@@ -352,12 +359,13 @@ def _self_check_selector():
     return "; ".join(p for p in problems if p)
 
 
-def _self_check_walk():
-    unary, cand, gate, anchor, A, B, u = _check_inputs_selector()
-    scores = pair_scores_reference(unary, cand, gate, anchor, A, B)
+def _self_check_walk(run=None):
+    run = run or run_metal
     problems = []
-    for temp in (0.0, 0.7):
-        p, q = run_metal("path_walk", walk_launch(scores, temp, u))
+    for ties, temp in ((False, 0.0), (False, 0.7), (True, 0.0)):
+        unary, cand, gate, anchor, A, B, u = _check_inputs_selector(ties)
+        scores = pair_scores_reference(unary, cand, gate, anchor, A, B)
+        p, q = run("path_walk", walk_launch(scores, temp, u))
         wp, wq = walk_reference(scores, temp, u)
         problems += [_compare(f"path (T={temp})", p, wp, 0, 0, exact=True),
                      _compare(f"q (T={temp})", q, wq, 1e-5, 1e-4)]

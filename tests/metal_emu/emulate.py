@@ -225,7 +225,7 @@ def cpp_program(src, launches) -> str:
 
 
 CXXFLAGS = ["-std=c++17", "-O0", "-g0", "-ffp-contract=off", "-fno-fast-math",
-            "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-Wall",
+            "-fsanitize=address", "-Wall",
             "-Wno-unused-variable", "-Wno-sign-compare", "-Wno-unused-but-set-variable"]
 
 

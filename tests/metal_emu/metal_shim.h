@@ -14,15 +14,12 @@
 // kernel that uses them fails to compile here instead of being emulated unfaithfully.
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <limits>
-#include <random>
 #include <vector>
 #include <ucontext.h>
 
@@ -169,15 +166,38 @@ struct Fiber {
 inline ucontext_t g_scheduler;
 inline Fiber* g_current = nullptr;
 inline bool g_fibers = false;
-inline const std::function<void(const EmuThread&)>* g_body = nullptr;
-inline int g_error = 0;
+inline void (*g_trampoline)(const void*, const EmuThread&) = nullptr;
+inline const void* g_body = nullptr;
 
 inline void fiber_entry() {
   Fiber* f = g_current;
-  (*g_body)(f->ids);
+  g_trampoline(g_body, f->ids);
   f->done = true;
   swapcontext(&f->ctx, &g_scheduler);
 }
+
+// A small deterministic generator and Fisher-Yates shuffle (no <random> needed).
+struct Rng {
+  uint64_t s;
+  uint32_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return static_cast<uint32_t>(s >> 32);
+  }
+};
+
+template <typename T>
+void shuffle(std::vector<T>& v, Rng& rng) {
+  for (size_t i = v.size(); i > 1; --i) {
+    size_t j = rng.next() % i;
+    T tmp = v[i - 1];
+    v[i - 1] = v[j];
+    v[j] = tmp;
+  }
+}
+
+inline uint umin(uint a, uint b) { return a < b ? a : b; }
 
 }  // namespace emu_detail
 
@@ -199,23 +219,27 @@ inline void metal::threadgroup_barrier(mem_flags) {
 // only when every thread of the group has reached it (a thread that finishes while
 // others wait at a barrier is reported as divergent-barrier UB, return code 2). So a
 // kernel whose result depends on thread order gives seed-dependent results.
-inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
-                      const std::function<void(const EmuThread&)>& body) {
+template <typename Body>
+inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed, const Body& body) {
   using namespace emu_detail;
-  std::mt19937 rng(seed);
+  uint64_t z = uint64_t(seed) + 0x9E3779B97F4A7C15ull;  // splitmix64 of the seed
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  Rng rng{(z ^ (z >> 31)) | 1};
   uint3 groups = {(grid.x + tg.x - 1) / tg.x, (grid.y + tg.y - 1) / tg.y,
                   (grid.z + tg.z - 1) / tg.z};
   std::vector<uint3> order;
   for (uint z = 0; z < groups.z; ++z)
     for (uint y = 0; y < groups.y; ++y)
       for (uint x = 0; x < groups.x; ++x) order.push_back({x, y, z});
-  std::shuffle(order.begin(), order.end(), rng);
+  shuffle(order, rng);
   g_body = &body;
+  g_trampoline = [](const void* b, const EmuThread& t) { (*static_cast<const Body*>(b))(t); };
   g_fibers = barriers;
   std::vector<Fiber> fibers;
   for (const uint3& gp : order) {
-    uint3 size = {std::min(tg.x, grid.x - gp.x * tg.x), std::min(tg.y, grid.y - gp.y * tg.y),
-                  std::min(tg.z, grid.z - gp.z * tg.z)};
+    uint3 size = {umin(tg.x, grid.x - gp.x * tg.x), umin(tg.y, grid.y - gp.y * tg.y),
+                  umin(tg.z, grid.z - gp.z * tg.z)};
     std::vector<EmuThread> threads;
     for (uint z = 0; z < size.z; ++z)
       for (uint y = 0; y < size.y; ++y)
@@ -231,7 +255,7 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
           t.thread_index_in_threadgroup = (z * size.y + y) * size.x + x;
           threads.push_back(t);
         }
-    std::shuffle(threads.begin(), threads.end(), rng);
+    shuffle(threads, rng);
     if (!barriers) {
       for (const EmuThread& t : threads) body(t);
       continue;
@@ -252,7 +276,7 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
     std::vector<size_t> turn(fibers.size());
     for (size_t i = 0; i < turn.size(); ++i) turn[i] = i;
     for (;;) {
-      std::shuffle(turn.begin(), turn.end(), rng);
+      shuffle(turn, rng);
       for (size_t i : turn) {
         Fiber& f = fibers[i];
         if (f.done) continue;
