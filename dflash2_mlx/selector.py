@@ -21,8 +21,10 @@ import mlx.nn as nn
 
 def top_candidates(logits: mx.array, k: int):
     """Top-k candidate ids and logits per position, by descending logit."""
-    order = mx.argsort(-logits, axis=-1)[..., :k]
-    return order, mx.take_along_axis(logits, order, axis=-1)
+    top = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    values = mx.take_along_axis(logits, top, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
 
 def pair_scores_reference(unary, cand, gate, anchor, predecessor_codebook, successor_codebook):
