@@ -43,6 +43,7 @@ def train(
     save_every: int = typer.Option(0, "--save-every", help="Checkpoint every N steps (0: final only)."),
     keep: int = typer.Option(2, "--keep", help="Periodic checkpoints kept."),
     log_every: int = typer.Option(10, "--log-every"),
+    feature_cache_gb: float = typer.Option(0.0, "--feature-cache-gb", help="Keep target features in a disk cache under --out/features, at most this many GB (0: compute on the fly every step). Pays off for several epochs over a small dataset."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from the latest checkpoint under --out."),
 ):
     """Train a DFlash / DFlash 2 drafter for a target (data regeneration, training, checkpoints)."""
@@ -68,7 +69,8 @@ def train(
     cfg = TrainConfig(steps=steps, lr=lr, warmup=warmup, weight_decay=weight_decay, clip=clip,
                       batch_size=batch_size, grad_accum=grad_accum, max_anchors=max_anchors,
                       max_len=max_len, selector_weight=selector_weight, seed=seed,
-                      save_every=save_every, keep=keep, log_every=log_every)
+                      save_every=save_every, keep=keep, log_every=log_every,
+                      feature_cache_gb=feature_cache_gb)
     try:
         final = train_drafter(
             model, out, data, prompts=prompts, init=init, version=version, num_layers=layers,

@@ -213,3 +213,37 @@ def test_train_cli(tiny, tmp_path):
     assert len(data.read_dataset(tmp_path / "d.jsonl")) == 4
     assert (tmp_path / "run" / "loss.png").stat().st_size > 0
     assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 3
+
+
+def test_feature_cache_is_bounded_resumable_and_exact(tiny, tmp_path):
+    from dflash2_mlx.train.features import FeatureCache, batch_features, target_features
+
+    root, model, tok, records = tiny
+    target = Target(model, [1, 2])
+    seqs = [s for s, _ in data.sequences(records[:4])]
+    per_row = 2 * 64 * 4  # two taps of H = 64, float32
+    meta = {"target": "tiny", "layers": [1, 2], "max_len": 1024}
+    budget = per_row * (len(seqs[0]) + len(seqs[1])) + 2048  # + safetensors headers
+    cache = FeatureCache(tmp_path / "f", budget, meta)
+    got = batch_features(target, seqs, [0, 1, 2, 3], cache)
+    assert sorted(p.name for p in (tmp_path / "f").glob("*.safetensors")) == ["0.safetensors", "1.safetensors"]
+    assert cache.used <= budget
+    for i, s in enumerate(seqs):
+        alone = target_features(target, [s])[0]
+        np.testing.assert_allclose(np.array(got[i, : len(s)]), np.array(alone), atol=1e-5)
+    again = FeatureCache(tmp_path / "f", budget, meta)  # a restart reuses what is there
+    assert again.used == cache.used and again.get(1) is not None
+    assert np.array_equal(np.array(again.get(0)), np.array(got[0, : len(seqs[0])]))
+    FeatureCache(tmp_path / "f", budget, dict(meta, layers=[0, 3]))  # another target: cleared
+    assert not list((tmp_path / "f").glob("*.safetensors"))
+
+
+def test_training_with_feature_cache(tiny, tmp_path):
+    root, model, tok, records = tiny
+    drafter = init.new_drafter(small_config(model, tok), seed=0)
+    blocks = fixed_blocks(model, drafter, records)
+    start, _ = objective.loss(drafter, blocks)
+    _train(model, drafter, records, tmp_path / "run", steps=12, feature_cache_gb=0.01)
+    end, _ = objective.loss(drafter, blocks)
+    assert end.item() < start.item()
+    assert len(list((tmp_path / "run" / "features").glob("*.safetensors"))) == len(records)

@@ -27,7 +27,7 @@ from ..loading import load_drafter, save_drafter
 from ..target import Target
 from . import objective
 from .data import sequences
-from .features import target_features
+from .features import FeatureCache, batch_features
 
 STATE_DIR = "training_state"
 
@@ -49,6 +49,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only the final checkpoint
     keep: int = 2  # periodic checkpoints kept
     log_every: int = 1
+    feature_cache_gb: float = 0.0  # 0: features on the fly; else a disk cache under OUT/features
 
 
 def schedule(cfg: TrainConfig):
@@ -74,7 +75,9 @@ class DataStream:
     """Sequences in a seeded random order per epoch; position survives checkpoints."""
 
     def __init__(self, records, cfg: TrainConfig, state: TrainState):
-        self.seqs = [s for s in sequences(records, cfg.max_len) if len(s[0]) - s[1] >= 2]
+        self.seqs = [(r.get("id", i), ids, start) for i, (r, (ids, start))
+                     in enumerate(zip(records, sequences(records, cfg.max_len)))
+                     if len(ids) - start >= 2]
         if not self.seqs:
             raise ValueError("no training sequence has a response of 2 tokens or more")
         self.cfg, self.state = cfg, state
@@ -95,10 +98,10 @@ class DataStream:
         return out
 
 
-def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig):
-    tokens = [s for s, _ in seqs]
-    feats = target_features(target, tokens)
-    seq, anchors = objective.sample_anchors(rng, [st for _, st in seqs], [len(t) for t in tokens],
+def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig, cache=None):
+    tokens = [ids for _, ids, _ in seqs]
+    feats = batch_features(target, tokens, [k for k, _, _ in seqs], cache)
+    seq, anchors = objective.sample_anchors(rng, [st for _, _, st in seqs], [len(t) for t in tokens],
                                             cfg.max_anchors)
     c = drafter.config
     return objective.make_blocks(tokens, feats, seq, anchors, c.block_size, c.mask_token_id)
@@ -152,11 +155,13 @@ def _prune(out_dir: Path, keep: int):
 
 
 def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir,
-          cfg: TrainConfig, resume: bool = True, log: Optional[Callable[[dict], None]] = None):
+          cfg: TrainConfig, resume: bool = True, log: Optional[Callable[[dict], None]] = None,
+          target_name: str = ""):
     """Train ``drafter`` against ``target_model`` on dataset ``records``.
 
     With ``resume`` and a checkpoint under ``out_dir``, continue from it (``drafter`` may
-    then be None).  Returns the trained drafter; its history is in ``OUT/final``."""
+    then be None).  ``target_name`` identifies the target in the feature cache's meta.
+    Returns the trained drafter; its history is in ``OUT/final``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     last = latest_checkpoint(out_dir) if resume else None
@@ -174,13 +179,17 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
     target = Target(target_model, drafter.config.target_layer_ids)
     drafter.bind(target.embed, target.lm_head)
     data = DataStream(records, cfg, state)
+    cache = None
+    if cfg.feature_cache_gb > 0:
+        meta = {"target": target_name, "layers": drafter.config.target_layer_ids, "max_len": cfg.max_len}
+        cache = FeatureCache(out_dir / "features", int(cfg.feature_cache_gb * 2**30), meta)
     step_fn = nn.value_and_grad(drafter, lambda b: objective.loss(drafter, b, cfg.selector_weight))
 
     while state.step < cfg.steps:
         tic = time.perf_counter()
         grads, sums, n = None, {}, 0
         for _ in range(cfg.grad_accum):
-            blocks = micro_batch(target, drafter, data.next(cfg.batch_size), rng, cfg)
+            blocks = micro_batch(target, drafter, data.next(cfg.batch_size), rng, cfg, cache)
             if blocks.anchors.size == 0:
                 continue
             (_, metrics), g = step_fn(blocks)
