@@ -19,7 +19,7 @@ def main():
     """DFlash 2 speculative decoding for MLX."""
 
 
-COMMAND_MODULES = ["generate", "train", "eval", "serve", "models"]
+COMMAND_MODULES = ["generate", "doctor", "train", "eval", "serve", "models", "bench"]
 
 for _name in COMMAND_MODULES:
     importlib.import_module(f"dflash2_mlx.cli.{_name}").register(app)

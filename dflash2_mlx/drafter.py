@@ -185,7 +185,7 @@ def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
     hidden: [1, B, H] drafter states of the block.  v1 picks per position (argmax or
     a sample of the drafter's own distribution); v2 walks the selector's lattice.
     ``q`` is [B-1, V] (None at temperature 0)."""
-    from . import kernels, sampling
+    from . import sampling
 
     h = hidden[0, 1:]
     logits = drafter.logits(h)
@@ -195,9 +195,8 @@ def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         q = sampling.probs(logprobs, params)
         return mx.random.categorical(mx.log(q)), q
-    cand, scores = drafter.candidate_selector(logits, h, anchor)
     uniforms = None if params.greedy else mx.random.uniform(shape=(h.shape[0],))
-    path, rows = kernels.walk(scores, params.temp, uniforms)
+    cand, path, rows = drafter.candidate_selector(logits, h, anchor, params.temp, uniforms)
     tokens = mx.take_along_axis(cand, path[:, None], axis=-1)[:, 0]
     if params.greedy:
         return tokens, None

@@ -78,16 +78,17 @@ class CandidateSelector(nn.Module):
         # Zero successor codebook: scores start as the drafter's logits (v1 behaviour).
         self.successor_codebook = mx.zeros((vocab_size, rank))
 
-    def __call__(self, logits, hidden, anchor, top_k=None):
-        """Candidates and pair scores for a drafted block.
+    def __call__(self, logits, hidden, anchor, temperature=0.0, uniforms=None):
+        """Candidates, the walked path and its q rows for a drafted block.
 
         logits: [..., T, V] at block positions 1..B-1; hidden: [..., T, H] the
         final-normed drafter states at the same positions; anchor: [...].
+        Scoring and walking are one fused kernel on Metal (the twins elsewhere).
         """
-        cand, unary = top_candidates(logits, top_k or self.top_k)
-        gate = self.hidden_projection(hidden)
-        from .kernels import pair_scores
+        from .kernels import select
 
-        return cand, pair_scores(
-            unary, cand, gate, anchor, self.predecessor_codebook, self.successor_codebook
-        )
+        cand, unary = top_candidates(logits, self.top_k)
+        gate = self.hidden_projection(hidden)
+        _, path, q = select(unary, cand, gate, anchor, self.predecessor_codebook,
+                            self.successor_codebook, temperature, uniforms)
+        return cand, path, q
