@@ -1,0 +1,106 @@
+"""``dflash2-mlx bench``: plain decoding vs DFlash v1 vs DFlash 2 on the benchmark
+prompt sets (the default), and ``dflash2-mlx bench kernels``."""
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+bench_app = typer.Typer(
+    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts) and `bench kernels`.",
+    invoke_without_command=True, add_completion=False,
+)
+
+
+def register(app: typer.Typer):
+    app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    samples: int = typer.Option(2, "--samples", "-n", help="Prompts drawn at random from each prompt set."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens generated per run."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Runtime block size (default 5, at most the drafters' trained size)."),
+    temps: List[float] = typer.Option([0.0, 1.0], "--temp", help="Temperatures; repeat."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target directory or hub id. Default: the built-in SmolLM2-135M-Instruct (then the drafters default to the shipped ones)."),
+    drafter_v2: Optional[str] = typer.Option(None, "--drafter-v2", help="DFlash 2 drafter. Default with the built-in target: the shipped one."),
+    drafter_v1: Optional[str] = typer.Option(None, "--drafter-v1", help="DFlash v1 drafter. Default with the built-in target: the shipped comparison drafter."),
+    no_v1: bool = typer.Option(False, "--no-v1", help="Skip the DFlash v1 column."),
+    bench_files: List[Path] = typer.Option([], "--bench", "-b", help="Prompt jsonl; repeat. Default: the five sets (GSM8K, MATH-500, HumanEval, MBPP, MT-Bench) in $DFLASH2_MLX_BENCH_DIR or ../shared/data/bench."),
+    out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="Report directory: bench.json, bench.md, speed.png, acceptance.png."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompt sample and of sampling."),
+):
+    """Plain mlx-lm decoding, DFlash v1 and DFlash 2 side by side at T=0 and T=1: tau,
+    tok/s, speed-up, per-position acceptance, and a T=0 token-for-token parity check."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import mlx_lm
+
+    from dflash2_mlx.bench import default_bench_dir, markdown, run_bench, sample_prompts, write_report
+    from dflash2_mlx.loading import load_drafter, resolve, validate_pair
+
+    if model is None:
+        from dflash2_mlx.defaults import default_pair, default_v1_drafter
+
+        model, shipped_v2 = default_pair()
+        drafter_v2 = drafter_v2 or shipped_v2
+        drafter_v1 = drafter_v1 or (None if no_v1 else default_v1_drafter())
+    if no_v1:
+        drafter_v1 = None
+    if drafter_v1 is None and drafter_v2 is None:
+        raise typer.BadParameter("with --model, give --drafter-v2 and/or --drafter-v1")
+    if not bench_files:
+        from dflash2_mlx.bench import BENCH_FILES
+
+        where = default_bench_dir()
+        if where is None:
+            typer.echo("error: no prompt sets: give --bench FILE (repeat) or set DFLASH2_MLX_BENCH_DIR "
+                       "to a directory with " + ", ".join(f"{b}.jsonl" for b in BENCH_FILES), err=True)
+            raise typer.Exit(2)
+        bench_files = [where / f"{b}.jsonl" for b in BENCH_FILES]
+    target, tokenizer = mlx_lm.load(str(resolve(model)))
+    drafters = {}
+    for label, path in (("DFlash v1", drafter_v1), ("DFlash 2", drafter_v2)):
+        if path is None:
+            continue
+        try:
+            drafters[label] = load_drafter(path)
+            validate_pair(target, drafters[label])
+        except ValueError as e:
+            typer.echo(f"error: {label} drafter {path}: {e}", err=True)
+            raise typer.Exit(2)
+    if drafter_v1 is None:
+        typer.echo("note: no DFlash v1 drafter: the v1 column is skipped", err=True)
+    benches = sample_prompts(bench_files, samples, seed)
+    try:
+        report = run_bench(target, tokenizer, drafters, benches, temps=temps, max_tokens=max_tokens,
+                           block_size=block_size, seed=seed, log=lambda s: typer.echo(s, err=True))
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    report["config"].update(target=str(model), drafter_paths={"DFlash v1": drafter_v1, "DFlash 2": drafter_v2})
+    paths = write_report(report, out)
+    typer.echo(markdown(report))
+    typer.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+    if report["mismatches"]:
+        typer.echo(f"!!! {len(report['mismatches'])} T=0 output(s) differ from plain decoding "
+                   f"(see {out / 'bench.md'})", err=True)
+        raise typer.Exit(1)
+
+
+@bench_app.command("kernels")
+def kernels(
+    hidden: int = typer.Option(5120, "--hidden", help="Hidden size (default: Qwen3.8-27B's)."),
+    blocks: List[int] = typer.Option([5, 8], "--block", help="Block sizes; repeat."),
+    top_k: int = typer.Option(16, "--top-k"),
+    rank: int = typer.Option(256, "--rank", help="Selector rank."),
+    vocab: int = typer.Option(32768, "--vocab", help="Codebook rows."),
+    batch: int = typer.Option(1, "--batch"),
+    repeats: int = typer.Option(20, "--repeats", help="Timed repeats (median)."),
+):
+    """The Metal kernels (dynamic conv, path selector) against their pure-MLX twins."""
+    from dflash2_mlx.kernel_bench import bench_kernels
+
+    bench_kernels(hidden=hidden, blocks=tuple(blocks), top_k=top_k, rank=rank, vocab=vocab,
+                  batch=batch, repeats=repeats, echo=typer.echo)

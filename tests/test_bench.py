@@ -1,0 +1,121 @@
+"""The benchmark on a tiny pair: report structure, T=0 parity check, the mismatch
+detector, report files and the CLI."""
+
+import json
+
+import mlx_lm
+import pytest
+from typer.testing import CliRunner
+
+from dflash2_mlx import bench as Bm
+from dflash2_mlx.loading import load_drafter
+from tiny_models import make_drafter, make_target
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    make_target(root / "target", "qwen3", scale=4.0)
+    make_drafter(root / "v1", root / "target", version=1, block_size=5)
+    make_drafter(root / "v2", root / "target", version=2, block_size=5)
+    for name, rows in (("alpha", [{"question": "the cat sat on"}, {"text": "a dog ran"},
+                                  {"text": "sun"}]),
+                       ("beta", [{"turns": ["sun and moon", "again"]}])):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model, tok = mlx_lm.load(str(root / "target"))
+    return root, model, tok
+
+
+def test_first_mismatch():
+    assert Bm.first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert Bm.first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert Bm.first_mismatch([1, 2, 3], [1, 2]) == 2
+    assert Bm.first_mismatch([], [4]) == 0
+
+
+def test_sample_prompts_is_seeded_and_bounded(tiny):
+    root, _, _ = tiny
+    files = [root / "alpha.jsonl", root / "beta.jsonl"]
+    a = Bm.sample_prompts(files, 2, seed=3)
+    assert list(a) == ["alpha", "beta"]
+    assert len(a["alpha"]) == 2 and a["beta"] == ["sun and moon"]
+    assert a == Bm.sample_prompts(files, 2, seed=3)
+
+
+def test_run_bench_report_and_parity(tiny, tmp_path):
+    root, model, tok = tiny
+    drafters = {"DFlash v1": load_drafter(str(root / "v1")), "DFlash 2": load_drafter(str(root / "v2"))}
+    benches = Bm.sample_prompts([root / "alpha.jsonl", root / "beta.jsonl"], 2, seed=0)
+    logs = []
+    report = Bm.run_bench(model, tok, drafters, benches, temps=(0.0, 1.0), max_tokens=12,
+                          block_size=4, log=logs.append)
+    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2"]
+    assert report["mismatches"] == [] and report["t0_checked"] == 2 * 3
+    assert set(report["results"]) == {"alpha", "beta", "overall"}
+    for per_temp in report["results"].values():
+        assert set(per_temp) == {"T=0", "T=1"}
+        for res in per_temp.values():
+            assert res["plain"]["speedup"] == pytest.approx(1.0)
+            assert "tau" not in res["plain"]
+            for m in ("DFlash v1", "DFlash 2"):
+                r = res[m]
+                assert 1.0 <= r["tau"] <= 4.0
+                assert len(r["acceptance_by_position"]) == 3
+                assert all(0.0 <= a <= 1.0 for a in r["acceptance_by_position"])
+                # Acceptance at a position needs acceptance at every earlier one.
+                acc = r["acceptance_by_position"]
+                assert all(x >= y for x, y in zip(acc, acc[1:]))
+                assert r["tau"] == pytest.approx(1 + sum(acc))
+                assert r["tokens_per_s"] > 0 and r["speedup"] > 0
+    overall = report["results"]["overall"]["T=0"]["plain"]
+    assert overall["runs"] == 3 and overall["tokens"] == sum(
+        report["results"][b]["T=0"]["plain"]["tokens"] for b in ("alpha", "beta"))
+    paths = Bm.write_report(report, tmp_path)
+    assert [p.name for p in paths] == ["bench.json", "bench.md", "speed.png", "acceptance.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    md = (tmp_path / "bench.md").read_text()
+    assert "T=0 parity: all 6 DFlash outputs are identical" in md and "MISMATCH" not in md
+    assert json.loads((tmp_path / "bench.json").read_text())["methods"] == report["methods"]
+
+
+def test_mismatch_is_detected_and_reported_loudly(tiny, monkeypatch):
+    root, model, tok = tiny
+    drafters = {"DFlash 2": load_drafter(str(root / "v2"))}
+    real = Bm.run_dflash
+
+    def corrupted(*args, **kw):
+        out = real(*args, **kw)
+        out["tokens"] = out["tokens"][:3] + [(out["tokens"][3] + 1) % 30] + out["tokens"][4:]
+        return out
+
+    monkeypatch.setattr(Bm, "run_dflash", corrupted)
+    logs = []
+    report = Bm.run_bench(model, tok, drafters, {"alpha": ["the cat sat on"]}, temps=(0.0,),
+                          max_tokens=10, log=logs.append)
+    (bad,) = report["mismatches"]
+    assert bad["method"] == "DFlash 2" and bad["position"] == 3 and bad["bench"] == "alpha"
+    assert bad["plain_token"] != bad["method_token"]
+    assert any("T=0 MISMATCH" in line for line in logs)
+    md = Bm.markdown(report)
+    assert "**T=0 MISMATCH: 1 of 1" in md and "## T=0 mismatches" in md
+
+
+def test_mismatch_record_equal_outputs_is_none(tiny):
+    _, _, tok = tiny
+    assert Bm.mismatch_record(tok, "b", 0, "m", [5, 6], [5, 6]) is None
+
+
+def test_cli_bench_writes_report_and_exit_code(tiny, tmp_path):
+    from dflash2_mlx.cli.main import app
+
+    root, _, _ = tiny
+    out = tmp_path / "out"
+    args = ["bench", "--model", str(root / "target"), "--drafter-v2", str(root / "v2"),
+            "--bench", str(root / "alpha.jsonl"), "--samples", "1", "--max-tokens", "8",
+            "--temp", "0", "--out", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "| DFlash 2 |" in res.output and "v1 column is skipped" in res.output
+    assert (out / "bench.md").is_file() and (out / "speed.png").is_file()
+    res = CliRunner().invoke(app, ["bench", "--model", str(root / "target"), "--out", str(out)])
+    assert res.exit_code != 0
