@@ -120,13 +120,13 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
         plain = generate_step(ids, model, max_tokens=max_tokens, sampler=sampler,
                               logits_processors=logits_processors,
                               prefill_step_size=prefill_step_size)
-        tokens = ((int(t), lp, None) for t, lp in plain)
+        tokens = ((int(t), lp, False, None) for t, lp in plain)
 
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
-    for n, (token, logprobs, stats) in enumerate(tokens, start=1):
+    for n, (token, logprobs, from_draft, stats) in enumerate(tokens, start=1):
         if n == 1:
             prompt_tps = ids.size / (time.perf_counter() - tic)
             tic = time.perf_counter()
@@ -143,7 +143,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             text=detokenizer.last_segment,
             token=token,
             logprobs=logprobs,
-            from_draft=bool(stats and stats.accepted and stats.cycles),
+            from_draft=from_draft,
             prompt_tokens=ids.size,
             prompt_tps=prompt_tps,
             generation_tokens=n,

@@ -4,7 +4,7 @@ Each cycle: the drafter fills a block [anchor, MASK...] in one pass, the drafted
 tokens are proposed (argmax / sample / selector walk), the target verifies the
 whole block in one pass, the accepted prefix plus the target's own next token is
 committed, the target cache is rolled back to that point and the draft cache gets
-the committed tokens' features.  Yields (token, logprobs, cycle) per token.
+the committed tokens' features.  Yields (token, logprobs, from_draft, stats) per token.
 """
 
 from dataclasses import dataclass, field
@@ -75,7 +75,7 @@ def speculative_generate_step(
     history = prompt
     logprobs = processed_logprobs(logits, prompt[:-1], prompt[-1:], logits_processors)
     anchor = int(sample(logprobs, params)[0].item())
-    yield anchor, logprobs[0], stats
+    yield anchor, logprobs[0], False, stats
     emitted = 1
 
     while emitted < max_tokens:
@@ -103,7 +103,7 @@ def speculative_generate_step(
         stats.record(accepted)
 
         for i, token in enumerate(draft[:accepted].tolist() + [bonus]):
-            yield token, logprobs[i], stats
+            yield token, logprobs[i], i < accepted, stats
             emitted += 1
             if emitted >= max_tokens:
                 return

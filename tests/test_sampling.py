@@ -120,7 +120,7 @@ def test_first_tokens_follow_target_distribution(setup, version, kw):
         steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=3,
                                           params=params, logits_processors=procs, block_size=3)
         toks = []
-        for t, _, st in steps:
+        for t, _, _, st in steps:
             toks.append(t)
         accepted += st.total_accepted
         cycles += st.cycles

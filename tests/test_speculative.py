@@ -53,7 +53,7 @@ def dflash_tokens(model, drafter, prompt, n, block_size, processors=None):
     steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=n,
                                       block_size=block_size, logits_processors=processors)
     tokens, stats = [], None
-    for t, _, stats in steps:
+    for t, _, _, stats in steps:
         tokens.append(t)
     return tokens, stats
 
@@ -157,7 +157,7 @@ def test_cache_equals_fresh_prefill_after_every_cycle(pairs, family, temp):
         mx.array(prompt), target, drafter, max_tokens=30, block_size=4,
         params=SamplingParams(temp=temp), prompt_cache=cache)
     tokens, seen_cycles, checks = [], 0, []
-    for t, _, stats in steps:
+    for t, _, _, stats in steps:
         if stats.cycles != seen_cycles:  # first token of a new cycle: cache rolled back
             seen_cycles = stats.cycles
             committed = prompt + tokens + [t] * 0  # filled in below
