@@ -66,5 +66,6 @@ def generate(
         typer.echo(f"\nerror: {e}", err=True)
         raise typer.Exit(2)
     typer.echo()
+    sys.stdout.flush()
     if verbose and last is not None:
         typer.echo(stats_line(last), err=True)
