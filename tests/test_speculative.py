@@ -195,3 +195,13 @@ def test_quantized_target_agreement(tmp_path, family):
         total += n
     print(f"{family} 4-bit: {agree}/{total} tokens agree before the first divergence")
     assert agree >= 0.9 * total
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_chunked_prefill_parity(pairs, family):
+    model, tok, drafters = pairs[family]
+    prompt = tok.encode("abcd dcba abab cdcd aabb ccdd")
+    ref = plain_tokens(model, prompt, 16)
+    out = [r.token for r in d.stream_generate(model, tok, prompt, drafters[2], max_tokens=16,
+                                              block_size=4, prefill_step_size=5)]
+    assert out == ref[: len(out)]
