@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Union
 import gguf
 import mlx.core as mx
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 PathLike = Union[str, Path]
 
@@ -170,8 +171,6 @@ def convert_weights(reader: gguf.GGUFReader, path: PathLike, config: Dict[str, A
 
 
 def _pre_tokenizer(pre: str):
-    from tokenizers import pre_tokenizers
-
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm", "starcoder", "refact"):
         # llama.cpp: "\p{N}" (one digit per piece), then the GPT-2 regex.
@@ -185,11 +184,9 @@ def _pre_tokenizer(pre: str):
 
 def build_tokenizer(reader: gguf.GGUFReader):
     """A byte-level BPE ``tokenizers.Tokenizer`` from the GGUF tokenizer metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
-        raise ValueError(f"only byte-level BPE (gpt2) GGUF tokenizers are supported, got {model!r}")
+        raise ValueError(f"only byte-level BPE (gpt2) GGUF tokenizers are supported: {model!r}")
     tokens: List[str] = _field(reader, "tokenizer.ggml.tokens")
     types: List[int] = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges")]
