@@ -98,8 +98,11 @@ class _Turns:
         while self.waiters:
             turn = self.waiters.popleft()
             if not turn.done():
-                turn.set_result(None)
-                return
+                try:
+                    turn.set_result(None)
+                    return
+                except RuntimeError:  # its event loop has closed
+                    continue
         self.busy = False
 
 
@@ -110,6 +113,7 @@ class _Request:
         self.params = params
         self.tools = tools
         self.aborted = threading.Event()
+        self.finished = False
         self.chunks: Optional[asyncio.Queue] = None
 
 
@@ -292,7 +296,8 @@ class Engine:
             job.add_done_callback(lambda f: _call_soon(loop, self._finished, request, f))
             while True:
                 item = await request.chunks.get()
-                if item is _DONE:
+                if item is _DONE:  # the worker's last act for this request
+                    self._finished(request, job)
                     break
                 if isinstance(item, BaseException):
                     raise item
@@ -307,6 +312,11 @@ class Engine:
                     self._turns.leave()
 
     def _finished(self, request: _Request, job):
+        """Free the request's turn: when its consumer sees the end, or (if the consumer
+        has gone) when the worker's job completes. Runs once."""
+        if request.finished:
+            return
+        request.finished = True
         self._jobs.discard(job)
         self._requests.pop(request.id, None)
         self._turns.leave()
@@ -392,10 +402,14 @@ class Engine:
 
 
 def _call_soon(loop, fn, *args):
+    """Run ``fn`` on the event loop; if that loop has closed, run it here."""
     try:
         loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the event loop has closed
-        pass
+    except RuntimeError:
+        try:
+            fn(*args)
+        except RuntimeError:
+            pass
 
 
 def _first(*values):

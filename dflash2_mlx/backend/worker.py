@@ -4,6 +4,11 @@ MLX streams and arrays must not be shared across threads, so model loading, gene
 freeing all happen here. A job is a plain function (run once) or a generator (stepped: each
 ``next`` does a little work, then other jobs get a turn), so a long generation for one model
 does not hold up another model's requests. Results come back as concurrent futures.
+
+The thread is a daemon that never ends: MLX keeps per-thread state (the ``mx.compile``
+cache) whose destructor calls back into Python, and a thread that exits while the
+interpreter shuts down aborts the process from there. A thread still parked at exit is
+simply discarded.
 """
 
 import collections
@@ -38,7 +43,7 @@ class Worker:
 
     def _loop(self):
         active = collections.deque()
-        while True:
+        while True:  # never returns: see the module docstring
             block = not active
             while True:
                 try:

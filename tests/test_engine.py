@@ -1,0 +1,270 @@
+"""The engine and the engine pool, in-process, on tiny real models."""
+
+import asyncio
+import json
+
+import mlx.core as mx
+import pytest
+
+from dflash2_mlx import generate, load
+from dflash2_mlx.backend.engine import Engine, EngineError, PromptTooLong, QueueFull
+from dflash2_mlx.backend.pool import EnginePool, PoolBusy, UnknownModel
+from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
+from dflash2_mlx.backend.stops import StopMatcher
+from dflash2_mlx.backend.worker import worker
+from tiny_models import make_drafter, make_target
+
+NO_EOS = {1: -100.0}  # the tiny tokenizer's <eos>: keeps long generations going
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "find a word",
+                                            "parameters": {"type": "object", "properties": {}}}}]
+TOOLS_TEMPLATE = (
+    "{% if tools %}{% for t in tools %}{{ t['function']['name'] }} {% endfor %}.{% endif %}"
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    on_worker = lambda fn, *a, **kw: worker().submit(fn, *a, **kw).result()  # noqa: E731
+    target = on_worker(make_target, root / "models" / "tiny")
+    drafter = on_worker(make_drafter, root / "drafter", target)
+    other = on_worker(make_target, root / "models" / "other", seed=5)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOLS_TEMPLATE}))
+    return root, target, drafter
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """dflash2_mlx.generate on the same pair, run on the backend's MLX thread."""
+    _, target, drafter = models
+    pair = worker().submit(load, str(target), str(drafter)).result()
+
+    def ref(prompt, **kw):
+        model, tokenizer, draft = pair
+        return worker().submit(generate, model, tokenizer, prompt, draft, **kw).result()
+
+    return ref
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    _, target, drafter = models
+    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)),
+               model_id="tiny", max_queue=1)
+    run(e.start())
+    yield e
+    run(e.stop())
+
+
+async def joined(chunks):
+    out = [c async for c in chunks]
+    return "".join(c.text for c in out), out
+
+
+def test_greedy_output_and_stats(engine, reference):
+    before = engine.get_stats()
+    want = reference("hello world", max_tokens=24)
+    got = run(engine.generate("hello world", max_tokens=24))
+    assert got.text == want and got.finish_reason == "length" and got.completion_tokens == 24
+    assert got.prompt_tokens == len("hello world") and got.cycles > 0
+    text, chunks = run(joined(engine.stream_generate("hello world", max_tokens=24)))
+    assert text == want and len(chunks) > 1 and chunks[-1].finish_reason == "length"
+    messages = [{"role": "user", "content": "say hi"}]
+    assert run(engine.chat(messages, max_tokens=16)).text == reference(messages, max_tokens=16)
+    assert run(engine.count_chat_tokens(messages)) == len("u:say hi.a:")
+    stats = engine.get_stats()
+    assert stats["requests"] == before["requests"] + 3
+    assert stats["generation_tokens"] == before["generation_tokens"] + 24 + 24 + 16
+    assert stats["cycles"] > before["cycles"] and stats["mean_tau"] >= 1.0
+    assert len(stats["acceptance_by_position"]) == 4  # default block size 5: four draft positions
+    assert stats["generation_tps"] > 0 and not engine.has_active_requests()
+
+
+def test_sampling_follows_seed(engine, reference):
+    a = run(engine.generate("hello world", max_tokens=16, temperature=1.0, seed=7))
+    b = run(engine.generate("hello world", max_tokens=16, temperature=1.0, seed=7))
+    assert a.text == b.text == reference("hello world", max_tokens=16, temp=1.0, seed=7)
+    greedy = reference("hello world", max_tokens=16)
+    others = {run(engine.generate("hello world", max_tokens=16, temperature=1.0, seed=s)).text for s in (1, 2, 3)}
+    assert others - {greedy}  # temperature is really applied
+
+
+def test_stop_strings_cut_the_text(engine, reference):
+    full = reference("hello world", max_tokens=40, logits_processors=None)
+    stop = full[12:15]
+    want = full[: full.find(stop)]
+    got = run(engine.generate("hello world", max_tokens=40, stop=[stop, "never seen"]))
+    assert got.text == want and got.finish_reason == "stop"
+    text, chunks = run(joined(engine.stream_generate("hello world", max_tokens=40, stop=stop)))
+    assert text == want and chunks[-1].finish_reason == "stop"
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(["</s>", "xyz"])
+    assert m.add("ab") == ("ab", False)
+    assert m.add("c<") == ("c", False)  # "<" may begin "</s>"
+    assert m.add("/") == ("", False)
+    assert m.add("t") == ("</t", False)  # not a stop after all: released
+    assert m.add("x</s> more") == ("x", True)
+    assert m.text == "abc</tx" and m.text_after_stop == " more"
+    n = StopMatcher(["zz"])
+    assert n.add("az") == ("a", False) and n.flush() == "z"
+
+
+def test_queue_limit_and_abort(engine):
+    async def scenario():
+        long = engine.stream_generate("hello", request_id="long", max_tokens=400, logit_bias=NO_EOS)
+        first = await long.__anext__()
+        waiting = asyncio.create_task(engine.generate("hello", request_id="waiting", max_tokens=5))
+        for _ in range(200):
+            if engine.get_stats()["queued_requests"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.get_stats()["queued_requests"] == 1 and engine.has_active_requests()
+        with pytest.raises(QueueFull):
+            engine.stream_generate("hello", max_tokens=2)  # max_queue=1: refused at once
+        assert engine.abort("long") == 1
+        rest = [c async for c in long]
+        assert rest[-1].finish_reason == "abort" and rest[-1].completion_tokens < 400
+        done = await waiting
+        assert done.completion_tokens == 5 and done.finish_reason == "length"
+        assert not engine.has_active_requests()
+        return first
+
+    aborted = engine.get_stats()["aborted_requests"]
+    run(scenario())
+    stats = engine.get_stats()
+    assert stats["aborted_requests"] == aborted + 1 and stats["rejected_requests"] >= 1
+
+
+def test_consumer_leaving_stops_generation(engine):
+    async def scenario():
+        chunks = engine.stream_generate("hello", max_tokens=400, logit_bias=NO_EOS)
+        async for _ in chunks:
+            break
+        await chunks.aclose()
+        for _ in range(300):
+            if not engine.has_active_requests():
+                break
+            await asyncio.sleep(0.01)
+        return engine.has_active_requests()
+
+    before = engine.get_stats()
+    assert run(scenario()) is False
+    after = engine.get_stats()
+    assert after["aborted_requests"] == before["aborted_requests"] + 1
+    assert after["generation_tokens"] - before["generation_tokens"] < 400
+
+
+def test_max_ctx_falls_back_to_plain_decoding(models, reference):
+    _, target, drafter = models
+    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter), dflash_max_ctx=5))
+    run(e.start())
+    try:
+        long_prompt = run(e.generate("hello world", max_tokens=12))  # 11 tokens > 5: plain
+        short_prompt = run(e.generate("hey", max_tokens=12))  # 3 tokens: DFlash
+        stats = e.get_stats()
+    finally:
+        run(e.stop())
+    assert long_prompt.text == reference("hello world", max_tokens=12) and long_prompt.cycles == 0
+    assert short_prompt.cycles > 0 and stats["plain_fallbacks"] == 1
+
+
+def test_oversize_prompt_and_bad_token_ids(models):
+    _, target, _ = models
+    e = Engine(target, ModelSettings(max_context_window=8))
+    run(e.start())
+    try:
+        with pytest.raises(PromptTooLong, match="at most 8"):
+            e.stream_generate("a prompt far over eight tokens")
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            e.stream_generate([3, 4, 10_000])
+        assert run(e.generate([5, 6, 7], max_tokens=3)).completion_tokens == 3
+    finally:
+        run(e.stop())
+
+
+def test_tools_reach_the_chat_template(models):
+    root, _, _ = models
+    e = Engine(root / "models" / "other")
+    run(e.start())
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        plain = run(e.count_chat_tokens(messages))
+        with_tools = run(e.count_chat_tokens(messages, TOOLS))
+        assert with_tools == plain + len("lookup .")
+        reply = run(e.chat(messages, TOOLS, max_tokens=4))
+        assert reply.prompt_tokens == with_tools and reply.completion_tokens <= 4
+    finally:
+        run(e.stop())
+
+
+def test_stop_frees_memory_and_refuses_work(models):
+    _, target, drafter = models
+    active = lambda: worker().submit(mx.get_active_memory).result()  # noqa: E731
+    before = active()
+    e = Engine(target, draft=str(drafter))
+    run(e.start())
+    loaded = active()
+    run(e.stop())
+    assert loaded > before and active() <= before
+    with pytest.raises(EngineError):
+        e.stream_generate("hello")
+
+
+def test_pool_loads_on_demand_and_evicts_lru(models, tmp_path):
+    root, target, drafter = models
+    store = SettingsStore(tmp_path / "model_settings.json")
+    store.set("tiny", dflash_enabled=True, dflash_draft_model=str(drafter))
+    pool = EnginePool(store, model_dir=root / "models", max_models=1)
+    assert pool.model_ids() == ["other", "tiny"]
+
+    async def scenario():
+        tiny = await pool.get("tiny")
+        assert tiny.settings.draft == str(drafter) and await pool.get("tiny") is tiny
+        other = await pool.get("other")  # room for one: tiny (idle, least recent) goes
+        assert list(pool.engines) == ["other"] and not tiny.running and other.running
+        busy = other.stream_generate("hello", max_tokens=400, logit_bias=NO_EOS)
+        await busy.__anext__()
+        with pytest.raises(PoolBusy):
+            await pool.get("tiny")  # the only loaded model is busy
+        await busy.aclose()
+        while other.has_active_requests():
+            await asyncio.sleep(0.01)
+        tiny = await pool.get("tiny")
+        # A manager edits the settings: a sampling default applies without a reload...
+        store.set("tiny", temperature=0.5)
+        assert await pool.get("tiny") is tiny and tiny.settings.temperature == 0.5
+        # ...and turning DFlash off reloads the model without its drafter.
+        store.set("tiny", dflash_enabled=False)
+        plain = await pool.get("tiny")
+        assert plain is not tiny and plain.settings.draft is None and not tiny.running
+        with pytest.raises(UnknownModel):
+            await pool.get("nope")
+        with pytest.raises(UnknownModel):
+            await pool.get("../models/tiny")
+        await pool.stop()
+        assert pool.engines == {} and not plain.running
+
+    run(scenario())
+
+
+def test_pool_memory_budget(models, tmp_path):
+    root, _, _ = models
+    pool = EnginePool(SettingsStore(tmp_path / "s.json"), model_dir=root / "models", max_models=4,
+                      memory_budget_gb=1.5 * (root / "models" / "tiny" / "model.safetensors").stat().st_size / 1e9)
+
+    async def scenario():
+        await pool.get("tiny")
+        await pool.get("other")  # both do not fit the budget: tiny is unloaded
+        assert list(pool.engines) == ["other"]
+        await pool.stop()
+
+    run(scenario())
