@@ -1,0 +1,291 @@
+"""`dflash2-mlx serve` as a real process on loopback, driven by the official openai client
+and raw HTTP: parity with generate(), parameters, errors, disconnects, queueing."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from dflash2_mlx import generate, load
+from dflash2_mlx.backend.settings import SettingsStore
+from dflash2_mlx.backend.worker import worker
+from tiny_models import make_drafter, make_target
+
+NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: keeps long generations going
+CHAT = [{"role": "user", "content": "say hi"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command():
+    script = Path(sys.executable).with_name("dflash2-mlx")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dflash2_mlx.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    on_worker = lambda fn, *a, **kw: worker().submit(fn, *a, **kw).result()  # noqa: E731
+    target = on_worker(make_target, root / "models" / "tiny")
+    drafter = on_worker(make_drafter, root / "drafter", target)
+    settings = root / "model_settings.json"
+    SettingsStore(settings).set("tiny", dflash_enabled=True, dflash_draft_model=str(drafter),
+                                max_context_window=64)
+    port = free_port()
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(
+        serve_command() + ["serve", "--model-dir", str(root / "models"), "--settings", str(settings),
+                           "--port", str(port), "--queue-size", "1", "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        assert proc.poll() is None, (root / "server.log").read_text()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.2)
+    yield {"base": base, "target": target, "drafter": drafter, "settings": settings, "proc": proc}
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    pair = worker().submit(load, str(server["target"]), str(server["drafter"])).result()
+
+    def ref(prompt, **kw):
+        model, tokenizer, drafter = pair
+        return worker().submit(generate, model, tokenizer, prompt, drafter, **kw).result()
+
+    return ref
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metrics(server) -> dict:
+    return httpx.get(server["base"] + "/metrics").json()
+
+
+def healthy(server):
+    r = httpx.get(server["base"] + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_models_listed(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+def test_chat_non_streaming_equals_generate(client, reference):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == reference(CHAT, max_tokens=24)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len("u:say hi.a:") and r.usage.completion_tokens == 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def test_chat_streaming_equals_generate(client, reference):
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference(CHAT, max_tokens=24)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == 11
+
+
+def test_completions_equal_generate(client, reference):
+    r = client.completions.create(model="tiny", prompt="hello world", max_tokens=20)
+    assert r.choices[0].text == reference("hello world", max_tokens=20)
+    assert r.usage.prompt_tokens == 11 and r.usage.completion_tokens == 20
+    text = "".join(c.choices[0].text for c in
+                   client.completions.create(model="tiny", prompt="hello world", max_tokens=20, stream=True))
+    assert text == r.choices[0].text
+
+
+def test_sampling_parameters_are_honoured(client, reference):
+    def chat(**kw):
+        return client.chat.completions.create(model="tiny", messages=CHAT, **kw).choices[0]
+
+    a, b = chat(max_tokens=16, temperature=1.0, seed=7), chat(max_tokens=16, temperature=1.0, seed=7)
+    assert a.message.content == b.message.content == reference(CHAT, max_tokens=16, temp=1.0, seed=7)
+    greedy = reference(CHAT, max_tokens=16)
+    assert {chat(max_tokens=16, temperature=1.0, seed=s).message.content for s in (1, 2, 3)} - {greedy}
+    # top_p keeps only the most likely token: sampling at T=1 becomes greedy.
+    assert chat(max_tokens=16, temperature=1.0, top_p=1e-6, seed=3).message.content == greedy
+    full = reference(CHAT, max_tokens=40)
+    stop = full[12:15]
+    cut = chat(max_tokens=40, stop=[stop, "qqqq"])
+    assert cut.message.content == full[: full.find(stop)] and cut.finish_reason == "stop"
+    assert client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5).usage.completion_tokens == 5
+
+
+BAD_REQUESTS = [
+    # (path, raw body, status, param or code fragment)
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None),
+    ("/v1/chat/completions", b"\xff\xfe not utf8", 400, None),
+    ("/v1/chat/completions", b'["a", "list"]', 400, None),
+    ("/v1/chat/completions", {"messages": CHAT}, 400, "model"),
+    ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model_not_found"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model_not_found"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": "9"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stop": 5}, 400, "stop"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": 1.5}, 400, "seed"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a" * 100}]},
+     400, "context_length_exceeded"),
+    ("/v1/chat/completions", {"model": "tiny", "stream": True,
+                              "messages": [{"role": "user", "content": "a" * 100}]}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "b" * 65}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": [3, 4, 100000]}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,what", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status, what):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server["base"] + path, content=data, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if what is not None:
+        assert what in (error["param"] or "", error["code"] or "")
+    healthy(server)
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server["base"] + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.get(server["base"] + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+def test_server_still_serves_after_bad_requests(client, reference):
+    r = client.completions.create(model="tiny", prompt="hello world", max_tokens=8)
+    assert r.choices[0].text == reference("hello world", max_tokens=8)
+
+
+def wait_idle(server, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = metrics(server)
+        if not m["active_requests"]:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"generation did not stop: {m}")
+
+
+def test_disconnect_stops_generation(server):
+    before = metrics(server)["models"]["tiny"]
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 5000, "stream": True, "logit_bias": NO_EOS}
+    with httpx.stream("POST", server["base"] + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(8)]
+        assert any('"content"' in line for line in got)
+        assert metrics(server)["active_requests"]
+    after = wait_idle(server)["models"]["tiny"]  # closed: the generation must stop
+    assert after["aborted_requests"] == before["aborted_requests"] + 1
+    assert after["generation_tokens"] - before["generation_tokens"] < 5000
+
+
+def test_full_queue_answers_503_and_queued_request_completes(server):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server["base"], timeout=60) as http:
+            long = {"model": "tiny", "prompt": "hello", "max_tokens": 5000, "stream": True, "logit_bias": NO_EOS}
+            async with http.stream("POST", "/v1/completions", json=long) as running:
+                lines = running.aiter_lines()
+                await lines.__anext__()
+                queued = asyncio.create_task(http.post(
+                    "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 6}))
+                for _ in range(400):
+                    if (await http.get("/metrics")).json()["models"]["tiny"]["queued_requests"] == 1:
+                        break
+                    await asyncio.sleep(0.025)
+                t = time.perf_counter()
+                full = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+                refused_in = time.perf_counter() - t
+                assert full.status_code == 503, full.text
+                assert full.json()["error"]["code"] == "queue_full" and refused_in < 2.0
+            done = await queued  # the long stream closed: the queued request runs
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 6
+
+    asyncio.run(scenario())
+    wait_idle(server)
+    healthy(server)
+
+
+def test_two_concurrent_clients_both_complete(client, reference):
+    prompts = {"a": [{"role": "user", "content": "first one"}], "b": [{"role": "user", "content": "second"}]}
+    results, errors = {}, []
+
+    def ask(key):
+        try:
+            r = client.chat.completions.create(model="tiny", messages=prompts[key], max_tokens=20)
+            results[key] = r.choices[0].message.content
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert results == {k: reference(p, max_tokens=20) for k, p in prompts.items()}
+
+
+def test_metrics_report_engine_stats(server):
+    stats = metrics(server)["models"]["tiny"]
+    assert stats["loaded"] and stats["drafter"] == str(server["drafter"])
+    assert stats["requests"] >= 10 and stats["generation_tokens"] > 100 and stats["cycles"] > 0
+    assert stats["mean_tau"] >= 1.0 and len(stats["acceptance_by_position"]) == 4
+    assert stats["rejected_requests"] >= 1 and stats["generation_tps"] > 0
+
+
+def test_manager_edits_settings_file(server, client, reference):
+    store = SettingsStore(server["settings"])
+    store.set("tiny", dflash_enabled=False)  # a model manager turns DFlash off
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12)
+    assert r.choices[0].message.content == reference(CHAT, max_tokens=12)  # plain decoding, same text
+    stats = metrics(server)["models"]["tiny"]
+    assert stats["drafter"] is None and stats["cycles"] == 0  # reloaded without the drafter
+    store.set("tiny", max_context_window=8)
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": "tiny", "prompt": "nine char"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
