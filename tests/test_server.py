@@ -3,7 +3,6 @@ and raw HTTP: parity with generate(), parameters, errors, disconnects, queueing.
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess

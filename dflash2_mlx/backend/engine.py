@@ -11,7 +11,6 @@ import asyncio
 import collections
 import gc
 import itertools
-import json
 import threading
 import time
 from dataclasses import dataclass, field
