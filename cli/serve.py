@@ -12,7 +12,7 @@ def register(app: typer.Typer):
 
 def serve(
     model: List[str] = typer.Option(
-        [], "--model", "-m", help="A model to serve: PATH or ID=PATH (repeatable). Its id defaults to the directory name."),
+        [], "--model", "-m", help="A model to serve: PATH or ID=PATH (repeatable). Its id defaults to the directory name. Default (no --model, no --model-dir): the built-in SmolLM2-135M-Instruct with its shipped DFlash 2 drafter."),
     draft: Optional[str] = typer.Option(
         None, "--draft", "-d", help="Drafter for the --model given (one --model only); overrides its settings."),
     model_dir: Optional[Path] = typer.Option(
@@ -38,7 +38,12 @@ def serve(
         model_id, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
         models[model_id or Path(path).expanduser().name] = path
     if not models and model_dir is None:
-        raise typer.BadParameter("give --model PATH (repeatable) or --model-dir DIR")
+        # Like `generate`: with no model given, serve the built-in pair.
+        from dflash2_mlx.defaults import default_pair
+
+        target, default_draft = default_pair()
+        models = {"SmolLM2-135M-Instruct": target}
+        draft = draft or default_draft
     if draft is not None and len(models) != 1:
         raise typer.BadParameter("--draft needs exactly one --model")
     overrides = {m: {"dflash_enabled": True, "dflash_draft_model": draft} for m in models} if draft else {}
