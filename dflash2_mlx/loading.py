@@ -145,25 +145,30 @@ def load_drafter(path_or_repo: str) -> Drafter:
     return drafter
 
 
-def validate_pair(target_model, drafter: Drafter):
-    """Raise PairError naming the first mismatch between a target and a drafter."""
-    from .target import model_args
-
-    cfg = drafter.config
-    args = model_args(target_model)
-    depth = len(target_model.layers)
+def pair_problems(cfg: DrafterConfig, vocab: int, hidden: int, depth: int) -> list:
+    """Every way a drafter config does not fit a target of this vocabulary, width and depth."""
     problems = []
-    if cfg.vocab_size != args.vocab_size:
-        problems.append(f"vocab size: drafter {cfg.vocab_size}, target {args.vocab_size}")
-    if cfg.hidden_size != args.hidden_size:
-        problems.append(f"hidden size: drafter {cfg.hidden_size}, target {args.hidden_size}")
+    if cfg.vocab_size != vocab:
+        problems.append(f"vocab size: drafter {cfg.vocab_size}, target {vocab}")
+    if cfg.hidden_size != hidden:
+        problems.append(f"hidden size: drafter {cfg.hidden_size}, target {hidden}")
     if cfg.num_target_layers is not None and cfg.num_target_layers != depth:
         problems.append(f"num_target_layers: drafter trained on {cfg.num_target_layers}, target has {depth}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < depth]
     if bad:
         problems.append(f"target_layer_ids {bad} out of range for a {depth}-layer target")
-    if not 0 <= cfg.mask_token_id < args.vocab_size:
-        problems.append(f"mask_token_id {cfg.mask_token_id} not in the target vocabulary (size {args.vocab_size})")
+    if not 0 <= cfg.mask_token_id < vocab:
+        problems.append(f"mask_token_id {cfg.mask_token_id} not in the target vocabulary (size {vocab})")
+    return problems
+
+
+def validate_pair(target_model, drafter: Drafter):
+    """Raise PairError naming every mismatch between a target and a drafter."""
+    from .target import model_args
+
+    args = model_args(target_model)
+    problems = pair_problems(drafter.config, args.vocab_size, args.hidden_size,
+                             len(target_model.layers))
     if problems:
         raise PairError("drafter does not match the target: " + "; ".join(problems))
 

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Tuple
 
 from ..config import DrafterConfig, DrafterConfigError
+from ..loading import pair_problems
 
 
 def read_json_config(path_or_repo) -> dict:
@@ -45,20 +46,9 @@ def is_compatible(model_path, draft_path) -> Tuple[bool, str]:
 
     vocab, hidden = target.get("vocab_size"), target.get("hidden_size")
     depth = target.get("num_hidden_layers")
-    problems = []
     if vocab is None or hidden is None or depth is None:
         return False, "target config.json lacks vocab_size, hidden_size or num_hidden_layers"
-    if drafter.vocab_size != vocab:
-        problems.append(f"vocab size: drafter {drafter.vocab_size}, target {vocab}")
-    if drafter.hidden_size != hidden:
-        problems.append(f"hidden size: drafter {drafter.hidden_size}, target {hidden}")
-    if drafter.num_target_layers is not None and drafter.num_target_layers != depth:
-        problems.append(f"num_target_layers: drafter trained on {drafter.num_target_layers}, target has {depth}")
-    bad = [i for i in drafter.target_layer_ids if not 0 <= i < depth]
-    if bad:
-        problems.append(f"target_layer_ids {bad} out of range for a {depth}-layer target")
-    if not 0 <= drafter.mask_token_id < vocab:
-        problems.append(f"mask_token_id {drafter.mask_token_id} not in the target vocabulary (size {vocab})")
+    problems = pair_problems(drafter, vocab, hidden, depth)
     if problems:
         return False, "drafter does not match the target: " + "; ".join(problems)
     return True, (f"DFlash {drafter.version} drafter, block size {drafter.block_size}, "
