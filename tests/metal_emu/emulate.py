@@ -274,7 +274,9 @@ def emulate_many(src, launches, seeds=(0,)) -> list:
     results = []
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:detect_stack_use_after_return=0")
+        # ASan must be the first runtime loaded: drop any preloaded library (OpenBLAS).
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env["ASAN_OPTIONS"] = "detect_leaks=0:detect_stack_use_after_return=0"
         for i, launch in enumerate(launches):
             ins = [d / f"c{i}_in{j}" for j in range(len(launch.inputs))]
             for p, a in zip(ins, launch.inputs):
