@@ -255,7 +255,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {bench} | {taus} | {r['tau_oracle']:.2f} | {r['tau_top1']:.2f} | "
                          f"{_fmt(r.get('tau_selector'), 2)} | {_fmt(r['recall_at_1'][0])} | "
                          f"{_fmt(r['recall_at_k'][0])} | {r['blocks']} |")
-    for title, key in ((f"Recall@1 by position (overall, conditioned on earlier positions)", "recall_at_1"),
+    for title, key in (("Recall@1 by position (overall, conditioned on earlier positions)", "recall_at_1"),
                        (f"Recall@{k} by position (overall, conditioned on earlier positions)", "recall_at_k")):
         lines += ["", f"## {title}", "", _position_table(report, lambda d: d["overall"][key])]
     for t in temps:

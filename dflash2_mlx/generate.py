@@ -2,7 +2,7 @@
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx_lm

@@ -11,7 +11,6 @@ check the same samples must be rejected against the distribution at a different
 temperature.
 """
 
-import itertools
 
 import mlx.core as mx
 import numpy as np

@@ -160,7 +160,6 @@ def test_cache_equals_fresh_prefill_after_every_cycle(pairs, family, temp):
     for t, _, _, stats in steps:
         if stats.cycles != seen_cycles:  # first token of a new cycle: cache rolled back
             seen_cycles = stats.cycles
-            committed = prompt + tokens + [t] * 0  # filled in below
             checks.append((len(tokens), stats.accepted, _cache_arrays(cache)))
         tokens.append(t)
     assert len(checks) >= 5

@@ -15,7 +15,7 @@ candidate.  Differentiation goes through the pure-MLX twins
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
