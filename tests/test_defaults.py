@@ -1,0 +1,62 @@
+"""The out-of-the-box pair: the shipped drafters load, fit the converted SmolLM2 target,
+stay small, and DFlash's greedy output equals plain mlx-lm decoding token for token.
+
+Uses the real 135M target (converted once into the user cache by ``default_pair``)."""
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from dflash2_mlx import defaults, stream_generate
+from dflash2_mlx.loading import load_drafter, validate_pair
+from dflash2_mlx.train.data import encode
+
+MAX_BYTES = 25 * 1024 * 1024
+MAX_TOKENS = 12  # keeps the default suite fast without OpenBLAS (slow: 64)
+SHIPPED = [defaults.DEFAULT_DRAFTER, defaults.V1_DRAFTER]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target_path, drafter_path = defaults.default_pair()
+    model, tokenizer = mlx_lm.load(target_path)
+    return model, tokenizer, drafter_path
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_drafter_is_small_and_complete(name):
+    path = defaults.drafter_path(name)
+    files = {p.name: p.stat().st_size for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+    assert sum(files.values()) < MAX_BYTES
+
+
+def test_default_pair_is_the_dflash2_drafter():
+    _, drafter_path = defaults.default_pair()
+    assert drafter_path == str(defaults.drafter_path(defaults.DEFAULT_DRAFTER))
+    assert load_drafter(drafter_path).version == 2
+    assert load_drafter(defaults.default_v1_drafter()).version == 1
+    with pytest.raises(FileNotFoundError, match="shipped"):
+        defaults.drafter_path("no-such-drafter")
+
+
+@pytest.mark.parametrize("name,max_tokens", [
+    (defaults.DEFAULT_DRAFTER, MAX_TOKENS),
+    pytest.param(defaults.DEFAULT_DRAFTER, 64, marks=pytest.mark.slow),
+    pytest.param(defaults.V1_DRAFTER, 64, marks=pytest.mark.slow),
+])
+def test_shipped_drafter_greedy_equals_plain_decoding(pair, name, max_tokens):
+    model, tokenizer, _ = pair
+    drafter = load_drafter(str(defaults.drafter_path(name)))
+    validate_pair(model, drafter)
+    # Quantized Linear layers as shipped (the config's `quantization` entry).
+    assert "scales" in dict(drafter.layers[0].mlp.gate_proj.parameters())
+    ids = encode(tokenizer, "Write a Python function that adds two numbers.")
+    plain = [r.token for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
+                                                     sampler=make_sampler(0.0))]
+    last, drafted = None, []
+    for last in stream_generate(model, tokenizer, ids, drafter, max_tokens=max_tokens, temp=0.0):
+        drafted.append(last.token)
+    assert drafted == plain
+    assert last.cycles >= 1 and last.tau >= 1.0
