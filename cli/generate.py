@@ -31,6 +31,8 @@ def generate(
     draft_activation_bits: int = typer.Option(32, "--draft-activation-bits", help="Drafter activation precision: 32 (fp32) or 16 (bf16)."),
     verify_mode: str = typer.Option("dflash", "--verify-mode", help="'dflash' (speculative) or 'off' (plain decoding)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    ignore_chat_template: bool = typer.Option(
+        False, "--ignore-chat-template", help="Feed --prompt as raw text instead of a user message in the chat template."),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line after the text."),
 ):
     """Generate text with DFlash speculative decoding, streaming it, then a stats line."""
@@ -56,6 +58,9 @@ def generate(
         target, tokenizer, drafter = load(
             model, draft, draft_bits=draft_bits, draft_group_size=draft_group_size,
             draft_activation_bits=draft_activation_bits)
+        # As mlx_lm.generate does: a text prompt becomes a user turn of the chat template.
+        if isinstance(prompt, str) and not ignore_chat_template and getattr(tokenizer, "chat_template", None):
+            prompt = [{"role": "user", "content": prompt}]
         last = None
         for last in stream_generate(
                 target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,

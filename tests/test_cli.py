@@ -26,9 +26,13 @@ def test_generate_streams_text_then_stats(pair):
             "--max-tokens", "20", "--block-size", "4")
     assert r.returncode == 0, r.stderr
     model, tok, drafter = d.load(str(pair / "t"), str(pair / "d"))
-    want = d.generate(model, tok, "abcab dcba", drafter, max_tokens=20, block_size=4)
+    chat = [{"role": "user", "content": "abcab dcba"}]  # a text prompt goes through the chat template
+    want = d.generate(model, tok, chat, drafter, max_tokens=20, block_size=4)
     assert r.stdout == want + "\n"
     assert "tau " in r.stderr and "tok/s" in r.stderr and "peak memory" in r.stderr
+    raw = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--prompt", "abcab dcba",
+              "--max-tokens", "20", "--block-size", "4", "--ignore-chat-template")
+    assert raw.stdout == d.generate(model, tok, "abcab dcba", drafter, max_tokens=20, block_size=4) + "\n"
 
 
 def test_generate_from_messages_file_with_sampling(pair, tmp_path):
