@@ -22,6 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .evaluate import plot_acceptance
+
 PLAIN = "plain"
 
 
@@ -316,22 +318,9 @@ def plot(report: dict, out_dir) -> List[Path]:
     paths = [out_dir / "speed.png"]
     fig.savefig(paths[0], dpi=100)
     plt.close(fig)
-    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.8), squeeze=False)
-    for ax, t in zip(axes[0], temps):
-        for i, m in enumerate(methods):
-            ys = overall[t][m].get("acceptance_by_position")
-            if ys:
-                ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, color=f"C{i}",
-                        label=f"{m} (τ {_fmt(overall[t][m].get('tau'))})")
-        ax.set_title(f"acceptance by block position, {t}")
-        ax.set_xlabel("block position")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "acceptance.png")
-    fig.savefig(paths[1], dpi=100)
-    plt.close(fig)
+    curves = {t: [(f"{m} (τ {_fmt(overall[t][m].get('tau'))})", overall[t][m].get("acceptance_by_position"))
+                  for m in methods] for t in temps}
+    paths.append(plot_acceptance(curves, out_dir / "acceptance.png"))
     return paths
 
 

@@ -300,22 +300,36 @@ def plot(report: dict, out_dir) -> List[Path]:
     paths = [out_dir / "recall.png"]
     fig.savefig(paths[0], dpi=100)
     plt.close(fig)
-    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.8), squeeze=False)
-    for ax, t in zip(axes[0], temps):
-        for i, (name, d) in enumerate(report["drafters"].items()):
-            ys = d["overall"]["runs"][t]["acceptance_by_position"]
-            ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, color=f"C{i}",
-                    label=f"{name} (τ {_fmt(d['overall']['runs'][t]['tau'], 2)})")
-        ax.set_title(f"acceptance by position, {t}")
+    curves = {t: [(f"{name} (τ {_fmt(d['overall']['runs'][t]['tau'], 2)})",
+                   d["overall"]["runs"][t]["acceptance_by_position"])
+                  for name, d in report["drafters"].items()] for t in temps}
+    paths.append(plot_acceptance(curves, out_dir / "acceptance.png"))
+    return paths
+
+
+def plot_acceptance(curves: dict, path) -> Path:
+    """One panel per temperature: acceptance rate by block position, a line per drafter.
+
+    curves: {"T=0": [(label, rates), ...], ...}; a label with no rates is left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.8), squeeze=False)
+    for ax, (t, lines) in zip(axes[0], curves.items()):
+        for i, (label, ys) in enumerate(lines):
+            if ys:
+                ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, color=f"C{i}", label=label)
+        ax.set_title(f"acceptance by block position, {t}")
         ax.set_xlabel("block position")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(out_dir / "acceptance.png")
-    fig.savefig(paths[1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return paths
+    return Path(path)
 
 
 def write_report(report: dict, out_dir) -> List[Path]:
