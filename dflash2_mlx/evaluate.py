@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .selector import pair_scores_reference, walk_reference
-from .target import Target
+from .target import Target, attach
 from .train import objective
 from .train.data import encode, read_prompts
 from .train.features import target_features
@@ -199,8 +199,7 @@ def evaluate(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, l
         sequences[bench] = greedy_responses(model, tokenizer, prompts, max_tokens)
     for name, drafter in drafters.items():
         B = min(block_size or drafter.config.block_size, drafter.config.block_size)
-        target = Target(model, drafter.config.target_layer_ids)
-        drafter.bind(target.embed, target.lm_head)
+        target = attach(model, drafter)
         entry = {"version": drafter.version, "block_size": B, "benches": {}}
         total = Tally(B - 1)
         runs_total = {t: RunTally(B - 1) for t in temps}

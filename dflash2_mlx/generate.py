@@ -14,7 +14,7 @@ from .drafter import Drafter
 from .loading import load_drafter, quantize, resolve, set_activation_bits, validate_pair
 from .sampling import SamplingParams
 from .speculative import speculative_generate_step
-from .target import Target
+from .target import attach
 
 VERIFY_MODES = ("dflash", "off")
 
@@ -108,8 +108,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     speculative = drafter is not None and verify_mode == "dflash"
     if speculative:
         block_size = check_block_size(drafter, block_size)
-        target = Target(model, drafter.config.target_layer_ids)
-        drafter.bind(target.embed, target.lm_head)
+        target = attach(model, drafter)
         tokens = speculative_generate_step(
             ids, target, drafter, max_tokens=limit, params=params,
             logits_processors=logits_processors, block_size=block_size,

@@ -91,14 +91,13 @@ def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fo
     from .generate import check_block_size, encode_prompt, load
     from .sampling import SamplingParams
     from .speculative import speculative_generate_step
-    from .target import Target
+    from .target import attach
 
     model, tokenizer, drafter = load(target, draft)
     if drafter.version != 2:
         raise ValueError("the conv and selector exist only in DFlash 2 drafters")
     block_size = check_block_size(drafter, block_size)
-    t = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(t.embed, t.lm_head)
+    t = attach(model, drafter)
     ids = encode_prompt(tokenizer, prompt)
     params = SamplingParams(temp=temp)
 

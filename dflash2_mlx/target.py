@@ -98,6 +98,14 @@ class Target:
         return logits, features
 
 
+def attach(model, drafter) -> Target:
+    """The target adapter that taps the drafter's layers, with the drafter bound to the
+    target's embedding and LM head."""
+    target = Target(model, drafter.config.target_layer_ids)
+    drafter.bind(target.embed, target.lm_head)
+    return target
+
+
 def snapshot(cache) -> list:
     """What a rollback needs: the arrays of every cache that cannot be trimmed."""
     return [None if c.is_trimmable() else (list(c.cache), c.lengths) for c in cache]

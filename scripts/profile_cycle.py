@@ -14,7 +14,7 @@ from dflash2_mlx import load
 from dflash2_mlx.defaults import default_pair
 from dflash2_mlx.drafter import propose
 from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.target import Target
+from dflash2_mlx.target import attach
 
 
 def ms(f, n=10):
@@ -27,8 +27,7 @@ def ms(f, n=10):
 
 def main():
     model, tok, drafter = load(*default_pair())
-    target = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    target = attach(model, drafter)
     ids = mx.array([tok.encode("Explain how a hash table works in Python. " * 5)])
     for rows in (1, 2, 5, 8):
         cache = make_prompt_cache(model)

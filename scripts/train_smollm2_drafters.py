@@ -172,15 +172,14 @@ def check(args):
     quantized shipped copy against the fp32 run it came from."""
     from dflash2_mlx.evaluate import Tally, offline_hits
     from dflash2_mlx.loading import load_drafter
-    from dflash2_mlx.target import Target
+    from dflash2_mlx.target import attach
     from dflash2_mlx.train.data import read_dataset, sequences
 
     _, model, _ = _target()
     seqs = list(sequences(read_dataset(args.data)[: args.limit], args.max_len))
     for path in args.drafters:
         drafter = load_drafter(path)
-        target = Target(model, drafter.config.target_layer_ids)
-        drafter.bind(target.embed, target.lm_head)
+        target = attach(model, drafter)
         tally = Tally(args.block_size - 1)
         for i, (ids, start) in enumerate(seqs):
             tally.add(*offline_hits(target, drafter, ids, start, args.block_size, 16, 32, seed=i))

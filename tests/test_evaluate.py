@@ -12,7 +12,7 @@ from dflash2_mlx import evaluate as E
 from dflash2_mlx.drafter import propose
 from dflash2_mlx.loading import load_drafter
 from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.target import Target
+from dflash2_mlx.target import attach
 from tiny_models import make_drafter, make_target
 
 
@@ -51,8 +51,7 @@ def tiny(tmp_path_factory):
 def test_offline_hits_match_the_runtime_per_anchor(tiny, name):
     root, model, tok = tiny
     drafter = load_drafter(str(root / name))
-    target = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    target = attach(model, drafter)
     (ids, start), = E.greedy_responses(model, tok, ["the cat sat on"], max_tokens=16)
     B, k = 5, 6
     hit1, hitk, hitsel = E.offline_hits(target, drafter, ids, start, B, k, chunk=4)

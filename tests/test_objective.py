@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash2_mlx.loading import load_drafter
-from dflash2_mlx.target import Target
+from dflash2_mlx.target import attach
 from dflash2_mlx.train import objective as O
 from tiny_models import make_drafter, make_target
 
@@ -56,8 +56,7 @@ def tiny(tmp_path_factory):
 
 def bound(root, model, name):
     drafter = load_drafter(str(root / name))
-    target = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    target = attach(model, drafter)
     return drafter, target
 
 

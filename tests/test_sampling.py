@@ -21,7 +21,7 @@ from scipy import stats as sstats
 import dflash2_mlx as d
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import Target
+from dflash2_mlx.target import attach
 from tiny_models import make_drafter, make_target
 
 N = 1200
@@ -111,8 +111,7 @@ def test_first_tokens_follow_target_distribution(setup, version, kw):
     rep = kw.pop("rep", None)
     params = SamplingParams(**kw)
     procs = make_logits_processors(repetition_penalty=rep[0], repetition_context_size=rep[1]) if rep else None
-    target = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    target = attach(model, drafter)
     counts, accepted, cycles = {}, 0, 0
     for seed in range(N):
         mx.random.seed(seed)

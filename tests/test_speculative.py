@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import make_logits_processors
 import dflash2_mlx as d
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import Target
+from dflash2_mlx.target import attach
 from tiny_models import make_drafter, make_target
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
@@ -48,8 +48,7 @@ def plain_tokens(model, prompt, n, processors=None):
 
 
 def dflash_tokens(model, drafter, prompt, n, block_size, processors=None):
-    target = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    target = attach(model, drafter)
     steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=n,
                                       block_size=block_size, logits_processors=processors)
     tokens, stats = [], None
@@ -148,8 +147,7 @@ def _cache_arrays(cache):
 def test_cache_equals_fresh_prefill_after_every_cycle(pairs, family, temp):
     model, tok, drafters = pairs[family]
     drafter = drafters[2]
-    target = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    target = attach(model, drafter)
     prompt = tok.encode("dcba abcd")
     cache = target.make_cache()
     mx.random.seed(7)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dflash2_mlx.generate import stream_generate
 from dflash2_mlx.loading import load_drafter, save_drafter, validate_pair
-from dflash2_mlx.target import Target
+from dflash2_mlx.target import Target, attach
 from dflash2_mlx.train import data, init, objective, trainer
 from tiny_models import make_drafter, make_target
 
@@ -46,8 +46,7 @@ def small_config(model, tok, version=2, block_size=6):
 
 def fixed_blocks(model, drafter, records):
     """A held-out batch: every full-block anchor of the first three sequences."""
-    target = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    target = attach(model, drafter)
     seqs = list(data.sequences(records[:3]))
     from dflash2_mlx.train.features import target_features
 

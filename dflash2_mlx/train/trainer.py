@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..drafter import Drafter
 from ..loading import load_drafter, save_drafter
-from ..target import Target
+from ..target import Target, attach
 from . import objective
 from .data import sequences
 from .features import FeatureCache, batch_features
@@ -176,8 +176,7 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
         optimizer = make_optimizer(cfg)
         state = TrainState()
         rng = np.random.default_rng(cfg.seed)
-    target = Target(target_model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    target = attach(target_model, drafter)
     data = DataStream(records, cfg, state)
     cache = None
     if cfg.feature_cache_gb > 0:
