@@ -6,13 +6,12 @@ import json
 import mlx.core as mx
 import pytest
 
-from dflash2_mlx import generate, load
 from dflash2_mlx.backend.engine import Engine, EngineError, PromptTooLong, QueueFull
 from dflash2_mlx.backend.pool import EnginePool, PoolBusy, UnknownModel
 from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
 from dflash2_mlx.backend.stops import StopMatcher
 from dflash2_mlx.backend.worker import worker
-from tiny_models import make_drafter, make_target
+from tiny_models import make_drafter, make_target, worker_reference
 
 NO_EOS = {1: -100.0}  # the tiny tokenizer's <eos>: keeps long generations going
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "find a word",
@@ -44,13 +43,7 @@ def models(tmp_path_factory):
 def reference(models):
     """dflash2_mlx.generate on the same pair, run on the backend's MLX thread."""
     _, target, drafter = models
-    pair = worker().submit(load, str(target), str(drafter)).result()
-
-    def ref(prompt, **kw):
-        model, tokenizer, draft = pair
-        return worker().submit(generate, model, tokenizer, prompt, draft, **kw).result()
-
-    return ref
+    return worker_reference(target, drafter)
 
 
 @pytest.fixture(scope="module")

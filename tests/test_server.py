@@ -15,10 +15,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from dflash2_mlx import generate, load
 from dflash2_mlx.backend.settings import SettingsStore
 from dflash2_mlx.backend.worker import worker
-from tiny_models import make_drafter, make_target
+from tiny_models import make_drafter, make_target, worker_reference
 
 NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: keeps long generations going
 CHAT = [{"role": "user", "content": "say hi"}]
@@ -73,13 +72,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(server):
-    pair = worker().submit(load, str(server["target"]), str(server["drafter"])).result()
-
-    def ref(prompt, **kw):
-        model, tokenizer, drafter = pair
-        return worker().submit(generate, model, tokenizer, prompt, drafter, **kw).result()
-
-    return ref
+    return worker_reference(server["target"], server["drafter"])
 
 
 @pytest.fixture(scope="module")

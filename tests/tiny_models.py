@@ -140,3 +140,17 @@ if __name__ == "__main__":
     make_target(out / "target", "qwen3", hidden=int(sys.argv[2]) if len(sys.argv) > 2 else 64)
     make_drafter(out / "drafter", out / "target", version=2)
     print(out / "target", out / "drafter")
+
+
+def worker_reference(target_path, drafter_path):
+    """``dflash2_mlx.generate`` on a pair, run on the backend's MLX worker thread (MLX work
+    must stay on one thread): the reference the engine and the server are compared with."""
+    from dflash2_mlx import generate, load
+    from dflash2_mlx.backend.worker import worker
+
+    model, tokenizer, drafter = worker().submit(load, str(target_path), str(drafter_path)).result()
+
+    def ref(prompt, **kw):
+        return worker().submit(generate, model, tokenizer, prompt, drafter, **kw).result()
+
+    return ref
