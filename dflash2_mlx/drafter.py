@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import sampling
 from .config import DrafterConfig
 from .conv import DynamicConv
 from .selector import CandidateSelector
@@ -185,8 +186,6 @@ def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
     hidden: [1, B, H] drafter states of the block.  v1 picks per position (argmax or
     a sample of the drafter's own distribution); v2 walks the selector's lattice.
     ``q`` is [B-1, V] (None at temperature 0)."""
-    from . import sampling
-
     h = hidden[0, 1:]
     logits = drafter.logits(h)
     if drafter.version == 1:

@@ -216,8 +216,6 @@ def evaluate(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, l
                 rt = real_runs(model, tokenizer, drafter, prompts, t, B, max_tokens, seed)
                 runs_total[t].merge(rt)
                 res["runs"][f"T={t:g}"] = rt.result()
-                # stream_generate binds its own Target; rebind for the next offline pass.
-                drafter.bind(target.embed, target.lm_head)
             entry["benches"][bench] = res
             say(f"[{name}] {bench}: " + summary_line(res))
         overall = total.result(drafter.version)
