@@ -49,6 +49,7 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float = 0.0
     input_embedding_scale: float = 1.0
+    draft_vocab_size: Optional[int] = None  # an extension: see Drafter.draft_vocab
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     def is_sliding(self, layer: int) -> bool:
@@ -139,8 +140,14 @@ class DrafterConfig:
             output_multiplier=float(get("output_multiplier", 1.0)),
             final_logit_softcapping=float(get("final_logit_softcapping", 0.0) or 0.0),
             input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+            draft_vocab_size=None if get("draft_vocab_size") is None else int(get("draft_vocab_size")),
             raw=dict(cfg),
         )
+        n = conf.draft_vocab_size
+        if n is not None and not (conf.selector_top_k if conf.version == 2 else 1) <= n <= conf.vocab_size:
+            raise DrafterConfigError(
+                f"draft_vocab_size {n} must lie between the selector's top-k and vocab_size {conf.vocab_size}"
+            )
         if conf.version == 2:
             if conf.conv_kernel_size != 2:
                 raise DrafterConfigError(
@@ -195,5 +202,7 @@ class DrafterConfig:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
         if self.input_embedding_scale != 1.0:
             dflash["input_embedding_scale"] = self.input_embedding_scale
+        if self.draft_vocab_size:
+            dflash["draft_vocab_size"] = self.draft_vocab_size
         out["dflash_config"] = dflash
         return out

@@ -122,6 +122,11 @@ class Drafter(nn.Module):
             self.candidate_selector = CandidateSelector(
                 H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k
             )
+        if cfg.draft_vocab_size:
+            # The token ids the drafter may propose (most frequent first); its logits cover
+            # only these rows of the target's LM head.  Data, not a weight: never trained.
+            self.draft_vocab = mx.arange(cfg.draft_vocab_size, dtype=mx.int32)
+            self.freeze(keys=["draft_vocab"], recurse=False)
         self.activation_dtype = mx.float32
         object.__setattr__(self, "_embed", None)
         object.__setattr__(self, "_head", None)
@@ -131,7 +136,9 @@ class Drafter(nn.Module):
         return self.config.version
 
     def bind(self, embed: Callable, head: Callable):
-        """Use the target's (scaled) embedding and LM head; they are not drafter weights."""
+        """Use the target's (scaled) embedding and LM head; they are not drafter weights.
+
+        With a draft vocabulary, ``head`` computes only the rows of ``draft_vocab``."""
         object.__setattr__(self, "_embed", embed)
         object.__setattr__(self, "_head", head)
 
@@ -142,7 +149,24 @@ class Drafter(nn.Module):
         x = self._embed(ids) * self.config.input_embedding_scale
         return x.astype(self.activation_dtype)
 
+    @property
+    def vocab(self):
+        """The draft vocabulary (token ids), or None when the drafter drafts over all."""
+        return self.draft_vocab if "draft_vocab" in self else None
+
+    def token_ids(self, idx: mx.array) -> mx.array:
+        """Token ids of indices into ``logits``' last axis."""
+        return idx if self.vocab is None else self.vocab[idx]
+
+    def full_rows(self, q: mx.array) -> mx.array:
+        """Rows over the draft vocabulary scattered into rows over the whole vocabulary."""
+        if self.vocab is None:
+            return q
+        out = mx.zeros((*q.shape[:-1], self.config.vocab_size), dtype=q.dtype)
+        return mx.put_along_axis(out, mx.broadcast_to(self.vocab, q.shape), q, axis=-1)
+
     def logits(self, h: mx.array) -> mx.array:
+        """Draft logits over the draft vocabulary (the whole vocabulary when there is none)."""
         out = self._head(h).astype(mx.float32) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
@@ -185,20 +209,21 @@ def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
 
     hidden: [1, B, H] drafter states of the block.  v1 picks per position (argmax or
     a sample of the drafter's own distribution); v2 walks the selector's lattice.
-    ``q`` is [B-1, V] (None at temperature 0)."""
+    ``q`` is [B-1, V] over the whole vocabulary (None at temperature 0)."""
     h = hidden[0, 1:]
     logits = drafter.logits(h)
     if drafter.version == 1:
         if params.greedy:
-            return mx.argmax(logits, axis=-1), None
+            return drafter.token_ids(mx.argmax(logits, axis=-1)), None
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         q = sampling.probs(logprobs, params)
-        return mx.random.categorical(mx.log(q)), q
+        return drafter.token_ids(mx.random.categorical(mx.log(q))), drafter.full_rows(q)
     uniforms = None if params.greedy else mx.random.uniform(shape=(h.shape[0],))
-    cand, path, rows = drafter.candidate_selector(logits, h, anchor, params.temp, uniforms)
+    cand, path, rows = drafter.candidate_selector(logits, h, anchor, params.temp, uniforms,
+                                                  vocab=drafter.vocab)
     tokens = mx.take_along_axis(cand, path[:, None], axis=-1)[:, 0]
     if params.greedy:
         return tokens, None
-    q = mx.zeros(logits.shape, dtype=mx.float32)
+    q = mx.zeros((h.shape[0], drafter.config.vocab_size), dtype=mx.float32)
     q = mx.put_along_axis(q, cand, rows, axis=-1)
     return tokens, q

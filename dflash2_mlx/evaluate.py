@@ -103,7 +103,8 @@ def offline_hits(target: Target, drafter, ids: List[int], start: int, block_size
                                        block_size, drafter.config.mask_token_id)
         hidden = objective.block_forward(drafter, blocks)[:, 1:]
         logits = drafter.logits(hidden)
-        cand = mx.argsort(-logits, axis=-1)[..., :top_k]
+        order = mx.argsort(-logits, axis=-1)[..., :top_k]
+        cand = drafter.token_ids(order)
         labels = blocks.labels
         out1.append(np.array(cand[..., 0] == labels))
         outk.append(np.array((cand == labels[..., None]).any(axis=-1)))
@@ -111,7 +112,7 @@ def offline_hits(target: Target, drafter, ids: List[int], start: int, block_size
             sel = drafter.candidate_selector
             c = cand[..., : sel.top_k]
             scores = pair_scores_reference(
-                mx.take_along_axis(logits, c, axis=-1), c, sel.hidden_projection(hidden),
+                mx.take_along_axis(logits, order[..., : sel.top_k], axis=-1), c, sel.hidden_projection(hidden),
                 blocks.block_ids[:, 0], sel.predecessor_codebook, sel.successor_codebook)
             path, _ = walk_reference(scores)
             drafted = mx.take_along_axis(c, path[..., None], axis=-1)[..., 0]

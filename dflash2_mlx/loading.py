@@ -10,7 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import DrafterConfig, DrafterConfigError
 from .drafter import Drafter
@@ -102,6 +102,33 @@ def quantize(drafter: Drafter, bits: int, group_size: int):
     )
 
 
+def dequantize(drafter: Drafter):
+    """Quantized Linear layers back to fp32: on a CPU an fp32 matmul is several times
+    faster than a quantized one (quantized weights are for Metal's memory bandwidth)."""
+    swaps = []
+    for name, m in drafter.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
+                              mode=m.mode, dtype=mx.float32)
+            linear = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            linear.weight = w
+            if "bias" in m:
+                linear.bias = m.bias
+            swaps.append((name, linear))
+    drafter.update_modules(tree_unflatten(swaps), strict=False)
+
+
+def check_draft_vocab(path, vocab: mx.array, vocab_size: int):
+    ids = vocab.tolist()
+    if mx.issubdtype(vocab.dtype, mx.floating) or vocab.ndim != 1:
+        raise CheckpointError(f"{path}: draft_vocab must be a 1-D integer tensor")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise CheckpointError(f"{path}: draft_vocab holds ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+    if len(set(ids)) != len(ids):
+        raise CheckpointError(f"{path}: draft_vocab repeats token ids")
+
+
 def set_activation_bits(drafter: Drafter, bits: int):
     """32: fp32 activations; 16: bfloat16 (fp16 overflows broke other ports on M1/M2)."""
     if bits not in (16, 32):
@@ -111,12 +138,17 @@ def set_activation_bits(drafter: Drafter, bits: int):
     drafter.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x)
 
 
-def load_drafter(path_or_repo: str) -> Drafter:
+def load_drafter(path_or_repo: str, target=None) -> Drafter:
+    """Read a drafter checkpoint.  With ``target`` (an mlx-lm model) its config is checked
+    against the target before any tensor is read, so a drafter made for another model
+    fails with the cause (PairError), not with its tensors."""
     path = resolve(path_or_repo)
     try:
         cfg = read_config(path)
     except DrafterConfigError as e:
         raise CheckpointError(f"{path}: {e}") from e
+    if target is not None:
+        validate_pair(target, cfg)
     weights = sanitize(read_weights(path))
     drafter = Drafter(cfg)
     q = cfg.raw.get("quantization")
@@ -138,7 +170,11 @@ def load_drafter(path_or_repo: str) -> Drafter:
              for k, v in expected.items() if weights[k].shape != v.shape]
     if wrong:
         raise CheckpointError(f"{path}: wrong tensor shapes: {'; '.join(wrong[:8])}")
+    if "draft_vocab" in weights:
+        check_draft_vocab(path, weights["draft_vocab"], cfg.vocab_size)
     drafter.load_weights(list(weights.items()))
+    if q and not mx.metal.is_available():
+        dequantize(drafter)
     drafter.apply(lambda x: x.astype(mx.float32) if mx.issubdtype(x.dtype, mx.floating) else x)
     mx.eval(drafter.parameters())
     drafter.eval()
@@ -162,12 +198,12 @@ def pair_problems(cfg: DrafterConfig, vocab: int, hidden: int, depth: int) -> li
     return problems
 
 
-def validate_pair(target_model, drafter: Drafter):
-    """Raise PairError naming every mismatch between a target and a drafter."""
+def validate_pair(target_model, drafter):
+    """Raise PairError naming every mismatch between a target and a drafter (or its config)."""
     from .target import model_args
 
     args = model_args(target_model)
-    problems = pair_problems(drafter.config, args.vocab_size, args.hidden_size,
+    problems = pair_problems(getattr(drafter, "config", drafter), args.vocab_size, args.hidden_size,
                              len(target_model.layers))
     if problems:
         raise PairError("drafter does not match the target: " + "; ".join(problems))

@@ -78,16 +78,19 @@ class CandidateSelector(nn.Module):
         # Zero successor codebook: scores start as the drafter's logits (v1 behaviour).
         self.successor_codebook = mx.zeros((vocab_size, rank))
 
-    def __call__(self, logits, hidden, anchor, temperature=0.0, uniforms=None):
-        """Candidates, the walked path and its q rows for a drafted block.
+    def __call__(self, logits, hidden, anchor, temperature=0.0, uniforms=None, vocab=None):
+        """Candidates (token ids), the walked path and its q rows for a drafted block.
 
         logits: [..., T, V] at block positions 1..B-1; hidden: [..., T, H] the
-        final-normed drafter states at the same positions; anchor: [...].
+        final-normed drafter states at the same positions; anchor: [...]; vocab: the
+        token ids of the logits' columns when they cover a draft vocabulary.
         Scoring and walking are one fused kernel on Metal (the twins elsewhere).
         """
         from .kernels import select
 
         cand, unary = top_candidates(logits, self.top_k)
+        if vocab is not None:
+            cand = vocab[cand]
         gate = self.hidden_projection(hidden)
         _, path, q = select(unary, cand, gate, anchor, self.predecessor_codebook,
                             self.successor_codebook, temperature, uniforms)

@@ -8,7 +8,7 @@ they are restored from a snapshot taken before verification and the accepted
 tokens are replayed through the target.
 """
 
-from typing import List, Sequence
+from typing import Callable, List, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -72,6 +72,7 @@ class Target:
         self.vocab_size = self.args.vocab_size
         self.model_type = getattr(self.args, "model_type", "")
         self.embed_tokens = inner.embed_tokens
+        self.head_module = tm.lm_head if "lm_head" in tm else inner.embed_tokens
         self.lm_head = tm.lm_head if "lm_head" in tm else inner.embed_tokens.as_linear
         # Gemma scales its input embedding by sqrt(H); the drafter must see the same.
         self.embed_scale = self.hidden_size**0.5 if self.model_type.startswith("gemma") else 1.0
@@ -84,6 +85,28 @@ class Target:
 
     def embed(self, ids):
         return self.embed_tokens(ids) * self.embed_scale
+
+    def head_rows(self, ids: mx.array) -> Callable:
+        """The LM head restricted to the rows ``ids``: a drafter with a draft vocabulary
+        reads 8192 rows instead of the whole vocabulary."""
+        m = self.head_module
+        bias = m["bias"][ids] if "bias" in m else None
+        if "scales" in m:
+            w, scales = m["weight"][ids], m["scales"][ids]
+            biases = m["biases"][ids] if m.get("biases") is not None else None
+            mx.eval(w, scales, biases)
+
+            def head(h):
+                out = mx.quantized_matmul(h, w, scales=scales, biases=biases, transpose=True,
+                                          group_size=m.group_size, bits=m.bits, mode=m.mode)
+                return out if bias is None else out + bias
+        else:
+            wt = m["weight"][ids].T
+            mx.eval(wt, bias)
+
+            def head(h):
+                return h @ wt if bias is None else h @ wt + bias
+        return head
 
     def make_cache(self):
         return make_prompt_cache(self.model)
@@ -102,7 +125,8 @@ def attach(model, drafter) -> Target:
     """The target adapter that taps the drafter's layers, with the drafter bound to the
     target's embedding and LM head."""
     target = Target(model, drafter.config.target_layer_ids)
-    drafter.bind(target.embed, target.lm_head)
+    vocab = drafter.vocab
+    drafter.bind(target.embed, target.lm_head if vocab is None else target.head_rows(vocab))
     return target
 
 

@@ -37,6 +37,10 @@ def setup(tmp_path_factory):
     for v in (1, 2):
         make_drafter(root / f"d{v}", root / "t", version=v, seed=20 + v, block_size=4)
         out[v] = d.load(str(root / "t"), str(root / f"d{v}"))
+        # With a draft vocabulary that cannot propose ':' (the target can emit it).
+        make_drafter(root / f"dv{v}", root / "t", version=v, seed=20 + v, block_size=4,
+                     draft_vocab=[4, 0, 3, 1])
+        out[f"{v}-vocab"] = d.load(str(root / "t"), str(root / f"dv{v}"))
     return out
 
 
@@ -101,6 +105,8 @@ CASES = [
     (2, dict(temp=0.8, top_p=0.9)),
     (1, dict(temp=0.7, top_k=3)),
     (2, dict(temp=1.2, top_k=4, min_p=0.05, rep=(1.6, 4))),
+    ("1-vocab", dict(temp=1.0)),
+    ("2-vocab", dict(temp=0.9, top_p=0.95)),
 ]
 
 

@@ -114,15 +114,20 @@ def drafter_config(target_path, version: int = 2, layers: int = 2, block_size: i
 
 
 def make_drafter(path, target_path, version: int = 2, seed: int = 1, randomize_conv: bool = True,
-                 **kw):
-    """Write a random drafter checkpoint (published format) for the target at ``target_path``."""
+                 draft_vocab=None, **kw):
+    """Write a random drafter checkpoint (published format) for the target at ``target_path``;
+    ``draft_vocab``: token ids it may propose (a draft vocabulary)."""
     from dflash2_mlx.config import DrafterConfig
     from dflash2_mlx.drafter import Drafter
     from dflash2_mlx.loading import save_drafter
 
+    if draft_vocab is not None:
+        kw["draft_vocab_size"] = len(draft_vocab)
     cfg = DrafterConfig.from_dict(drafter_config(target_path, version, **kw))
     mx.random.seed(seed)
     drafter = Drafter(cfg)
+    if draft_vocab is not None:
+        drafter.draft_vocab = mx.array(draft_vocab, dtype=mx.int32)
     if version == 2 and randomize_conv:
         # Non-trivial convs and selector, so the v2 paths change the result.
         for layer in drafter.layers:

@@ -11,6 +11,7 @@ written (and drops a torn last line), so an interrupted run resumes where it sto
 """
 
 import json
+import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple, Union
 
@@ -114,16 +115,25 @@ def generate_dataset(model, tokenizer, prompts_path, out_path, *, max_tokens: in
     sampler = make_sampler(temp)
     bar = tqdm(total=len(done) + len(encoded), initial=len(done), disable=not progress,
                desc="responses", unit="prompt")
+    # Groups of several batches go through mlx-lm's continuous batching (a finished
+    # response's slot is refilled at once), and are written as each group finishes.
+    group = batch_size * 4
+    tokens = 0
+    tic = time.perf_counter()
     with open(out_path, "a") as f:
-        for b in range(0, len(encoded), batch_size):
-            chunk = encoded[b : b + batch_size]
-            res = batch_generate(model, tokenizer, [ids for _, ids in chunk],
-                                 max_tokens=max_tokens, sampler=sampler, return_token_ids=True)
+        for b in range(0, len(encoded), group):
+            chunk = encoded[b : b + group]
+            res = batch_generate(model, tokenizer, [ids for _, ids in chunk], max_tokens=max_tokens,
+                                 sampler=sampler, return_token_ids=True,
+                                 completion_batch_size=batch_size,
+                                 prefill_batch_size=min(batch_size, 16))
             for (i, ids), resp, text in zip(chunk, res.token_ids, res.texts):
                 f.write(json.dumps({"id": i, "prompt_ids": ids, "response_ids": list(map(int, resp)),
                                     "response": text}) + "\n")
+                tokens += len(resp)
             f.flush()
             bar.update(len(chunk))
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - tic):.0f} tok/s, {tokens} tokens")
     bar.close()
     return len(done) + len(encoded)
 

@@ -42,7 +42,8 @@ def new_drafter_config(target_model, *, version: int = 2, num_layers: int = 5,
                        target_layer_ids: Optional[Sequence[int]] = None,
                        num_target_features: int = 5, intermediate_size: Optional[int] = None,
                        selector_rank: int = 256, selector_top_k: int = 16,
-                       conv_group_size: int = 16) -> DrafterConfig:
+                       conv_group_size: int = 16,
+                       draft_vocab_size: Optional[int] = None) -> DrafterConfig:
     args = model_args(target_model)
     depth = len(target_model.layers)
     ids = target_layer_ids
@@ -69,6 +70,8 @@ def new_drafter_config(target_model, *, version: int = 2, num_layers: int = 5,
         dflash_config=dict(block_size=block_size, mask_token_id=int(mask_token_id),
                            target_layer_ids=[int(i) for i in ids]),
     )
+    if draft_vocab_size:
+        cfg["dflash_config"]["draft_vocab_size"] = int(draft_vocab_size)
     if version == 2:
         cfg["is_causal"] = False
         cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=conv_group_size,
@@ -76,12 +79,33 @@ def new_drafter_config(target_model, *, version: int = 2, num_layers: int = 5,
     return DrafterConfig.from_dict(cfg)
 
 
-def new_drafter(cfg: DrafterConfig, seed: int = 0) -> Drafter:
+def new_drafter(cfg: DrafterConfig, seed: int = 0,
+                draft_vocab: Optional[Sequence[int]] = None) -> Drafter:
     """A freshly initialised drafter (mlx defaults; v2 convs identity, successor zero)."""
     mx.random.seed(seed)
     drafter = Drafter(cfg)
+    if cfg.draft_vocab_size:
+        if draft_vocab is None or len(draft_vocab) != cfg.draft_vocab_size:
+            raise ValueError(f"a drafter with draft_vocab_size {cfg.draft_vocab_size} needs that many token ids")
+        drafter.draft_vocab = mx.array(list(draft_vocab), dtype=mx.int32)
     mx.eval(drafter.parameters())
     return drafter
+
+
+def frequent_tokens(records, n: int, vocab_size: int) -> list:
+    """A draft vocabulary: the ``n`` token ids most frequent in the dataset's responses
+    (then its prompts), topped up with the lowest ids (BPE ranks merges by frequency)."""
+    from collections import Counter
+
+    counts = Counter()
+    for r in records:
+        counts.update(r["response_ids"])
+    prompt = Counter(t for r in records for t in r["prompt_ids"])
+    ranked = [t for t, _ in counts.most_common()]
+    ranked += [t for t, _ in prompt.most_common() if t not in counts]
+    seen = set(ranked[:n])
+    ranked = ranked[:n] + [t for t in range(vocab_size) if t not in seen][: max(0, n - len(seen))]
+    return ranked
 
 
 def warm_start_v2(v1: Drafter, *, selector_rank: int = 256, selector_top_k: int = 16,

@@ -166,8 +166,9 @@ def selector_rows(drafter, logits, hidden, labels, anchor_ids):
     sel = drafter.candidate_selector
     # The runtime's top_candidates (argpartition, then sort the k: a full-vocabulary
     # argsort costs ~7x more on CPU), indices cut from the graph (no VJP w.r.t. indices).
-    cand = mx.stop_gradient(top_candidates(mx.stop_gradient(logits), sel.top_k)[0])
-    unary = mx.take_along_axis(logits, cand, axis=-1)
+    top = mx.stop_gradient(top_candidates(mx.stop_gradient(logits), sel.top_k)[0])
+    unary = mx.take_along_axis(logits, top, axis=-1)
+    cand = drafter.token_ids(top)
     N, T, k = cand.shape
     pred = mx.concatenate([anchor_ids[:, None], labels[:, :-1]], axis=1)
     gate = sel.hidden_projection(hidden)
@@ -179,6 +180,16 @@ def selector_rows(drafter, logits, hidden, labels, anchor_ids):
     return cand, scores[:, 0, 0, :].reshape(N, T, k)
 
 
+def vocab_columns(drafter, labels: mx.array) -> mx.array:
+    """Column of each label in the drafter's logits (-1 outside its draft vocabulary)."""
+    vocab = drafter.vocab
+    if vocab is None:
+        return labels
+    index = np.full(drafter.config.vocab_size, -1, np.int32)
+    index[np.array(vocab)] = np.arange(vocab.size, dtype=np.int32)
+    return mx.array(index)[labels]
+
+
 def _ce(logits, target):
     return mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
 
@@ -188,10 +199,13 @@ def loss(drafter, blocks: Blocks, selector_weight: float = 1.0):
     B = blocks.block_ids.shape[1]
     hidden = block_forward(drafter, blocks)[:, 1:]
     logits = drafter.logits(hidden)
-    w = position_weights(B)[None, :] * blocks.valid
+    # Labels as columns of the logits; a label outside a draft vocabulary has none (-1):
+    # it weighs nothing in the CE and is never right.
+    column = vocab_columns(drafter, blocks.labels)
+    w = position_weights(B)[None, :] * blocks.valid * (column >= 0)
     wsum = mx.maximum(w.sum(), 1e-9)
-    ce = (_ce(logits, blocks.labels) * w).sum() / wsum
-    right = (mx.argmax(logits, axis=-1) == blocks.labels) * blocks.valid
+    ce = (_ce(logits, mx.maximum(column, 0)) * w).sum() / wsum
+    right = (mx.argmax(logits, axis=-1) == column) * blocks.valid
     metrics = {"ce": ce, "top1": right.sum() / mx.maximum(blocks.valid.sum(), 1.0)}
     total = ce
     if drafter.version == 2:
