@@ -27,7 +27,7 @@ def bench(
     drafter_v2: Optional[str] = typer.Option(None, "--drafter-v2", help="DFlash 2 drafter. Default with the built-in target: the shipped one."),
     drafter_v1: Optional[str] = typer.Option(None, "--drafter-v1", help="DFlash v1 drafter. Default with the built-in target: the shipped comparison drafter."),
     no_v1: bool = typer.Option(False, "--no-v1", help="Skip the DFlash v1 column."),
-    bench_files: List[Path] = typer.Option([], "--bench", "-b", help="Prompt jsonl; repeat. Default: the five sets (GSM8K, MATH-500, HumanEval, MBPP, MT-Bench) in $DFLASH2_MLX_BENCH_DIR or ../shared/data/bench."),
+    bench_files: List[Path] = typer.Option([], "--bench", "-b", help="Prompt jsonl; repeat. Default: the five sets shipped with the package (GSM8K, MATH-500, HumanEval, MBPP, MT-Bench), or those in $DFLASH2_MLX_BENCH_DIR."),
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="Report directory: bench.json, bench.md, speed.png, acceptance.png."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompt sample and of sampling."),
 ):
@@ -37,8 +37,8 @@ def bench(
         return
     import mlx_lm
 
-    from dflash2_mlx.bench import default_bench_dir, markdown, run_bench, sample_prompts, write_report
-    from dflash2_mlx.loading import load_drafter, resolve, validate_pair
+    from dflash2_mlx.bench import default_bench_files, markdown, run_bench, sample_prompts, write_report
+    from dflash2_mlx.loading import load_drafter, resolve
 
     if model is None:
         from dflash2_mlx.defaults import default_pair, default_v1_drafter
@@ -51,22 +51,18 @@ def bench(
     if drafter_v1 is None and drafter_v2 is None:
         raise typer.BadParameter("with --model, give --drafter-v2 and/or --drafter-v1")
     if not bench_files:
-        from dflash2_mlx.bench import BENCH_FILES
-
-        where = default_bench_dir()
-        if where is None:
-            typer.echo("error: no prompt sets: give --bench FILE (repeat) or set DFLASH2_MLX_BENCH_DIR "
-                       "to a directory with " + ", ".join(f"{b}.jsonl" for b in BENCH_FILES), err=True)
+        try:
+            bench_files = default_bench_files()
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
-        bench_files = [where / f"{b}.jsonl" for b in BENCH_FILES]
     target, tokenizer = mlx_lm.load(str(resolve(model)))
     drafters = {}
     for label, path in (("DFlash v1", drafter_v1), ("DFlash 2", drafter_v2)):
         if path is None:
             continue
         try:
-            drafters[label] = load_drafter(path)
-            validate_pair(target, drafters[label])
+            drafters[label] = load_drafter(path, target=target)
         except ValueError as e:
             typer.echo(f"error: {label} drafter {path}: {e}", err=True)
             raise typer.Exit(2)

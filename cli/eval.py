@@ -12,7 +12,7 @@ def register(app: typer.Typer):
 
 def eval_command(
     draft: List[str] = typer.Option(..., "--draft", "-d", help="Drafter directory or hub id; repeat to compare, NAME=PATH to label it."),
-    bench: List[Path] = typer.Option(..., "--bench", "-b", help="Prompt jsonl (text or chat records); repeat. E.g. the files of shared/data/bench/."),
+    bench: List[Path] = typer.Option(..., "--bench", "-b", help="Prompt jsonl (text or chat records); repeat. E.g. the five sets shipped in dflash2_mlx/bench_data/."),
     out: Path = typer.Option(..., "--out", "-o", help="Report directory: report.json, report.md, recall.png, acceptance.png."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: mlx-lm model directory or hub id. Default: the built-in SmolLM2-135M-Instruct."),
     limit: Optional[int] = typer.Option(8, "--limit", help="Prompts per benchmark."),
@@ -27,7 +27,7 @@ def eval_command(
     import mlx_lm
 
     from dflash2_mlx.evaluate import evaluate, load_benches, markdown, write_report
-    from dflash2_mlx.loading import load_drafter, resolve, validate_pair
+    from dflash2_mlx.loading import load_drafter, resolve
 
     if model is None:
         from dflash2_mlx.smollm2 import default_target_path
@@ -37,9 +37,8 @@ def eval_command(
     drafters = {}
     for spec in draft:
         name, _, path = spec.rpartition("=") if "=" in spec else (Path(spec).name, "", spec)
-        drafters[name] = load_drafter(path)
         try:
-            validate_pair(target, drafters[name])
+            drafters[name] = load_drafter(path, target=target)
         except ValueError as e:
             typer.echo(f"error: {name}: {e}", err=True)
             raise typer.Exit(2)

@@ -11,6 +11,25 @@ def register(app: typer.Typer):
     app.command("generate")(generate)
 
 
+def read_messages(path: Path) -> list:
+    """The chat messages of a --messages-file; a ValueError names the file and the problem."""
+    try:
+        messages = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"--messages-file {path}: no such file")
+    except IsADirectoryError:
+        raise ValueError(f"--messages-file {path}: is a directory, not a JSON file")
+    except OSError as e:
+        raise ValueError(f"--messages-file {path}: cannot read it ({e.strerror})")
+    except UnicodeDecodeError:
+        raise ValueError(f"--messages-file {path}: not UTF-8 text")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--messages-file {path}: invalid JSON ({e.msg}, line {e.lineno} column {e.colno})")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(f"--messages-file {path}: must hold a JSON list of {{role, content}} objects")
+    return messages
+
+
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     messages_file: Optional[Path] = typer.Option(
@@ -19,7 +38,7 @@ def generate(
         None, "--model", "-m", help="Target: mlx-lm model directory or hub id. Default: the built-in SmolLM2-135M-Instruct."),
     draft: Optional[str] = typer.Option(
         None, "--draft", "-d", help="DFlash / DFlash 2 drafter directory or hub id. Default: the shipped drafter when --model is not given."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (-1: no limit, stop at end of sequence, as in mlx_lm.generate)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 = off)."),
@@ -45,30 +64,24 @@ def generate(
         raise typer.BadParameter("give exactly one of --prompt or --messages-file")
     if prompt == "-":
         prompt = sys.stdin.read()
-    if messages_file is not None:
-        prompt = json.loads(messages_file.read_text())
-        if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
-            raise typer.BadParameter("--messages-file must hold a JSON list of {role, content} objects")
-    if model is None:
-        from dflash2_mlx.defaults import default_pair
-
-        model, default_draft = default_pair()
-        draft = draft or default_draft
+    last = None
     try:
+        if messages_file is not None:
+            prompt = read_messages(messages_file)
+        # No --model: the built-in pair (and the shipped drafter unless --draft is given).
         target, tokenizer, drafter = load(
             model, draft, draft_bits=draft_bits, draft_group_size=draft_group_size,
             draft_activation_bits=draft_activation_bits)
         # As mlx_lm.generate does: a text prompt becomes a user turn of the chat template.
         if isinstance(prompt, str) and not ignore_chat_template and getattr(tokenizer, "chat_template", None):
             prompt = [{"role": "user", "content": prompt}]
-        last = None
         for last in stream_generate(
                 target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,
                 top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size,
                 verify_mode=verify_mode, seed=seed):
             typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:
-        typer.echo(f"\nerror: {e}", err=True)
+        typer.echo(("\n" if last is not None else "") + f"error: {e}", err=True)
         raise typer.Exit(2)
     typer.echo()
     sys.stdout.flush()

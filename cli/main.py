@@ -14,9 +14,19 @@ app = typer.Typer(
 
 
 
+# Commands that run models: on the Linux CPU they are several times slower without OpenBLAS.
+COMPUTE_COMMANDS = {"generate", "serve", "bench", "eval", "train"}
+
+
 @app.callback()
-def main():
+def main(ctx: typer.Context):
     """DFlash 2 speculative decoding for MLX."""
+    if ctx.invoked_subcommand in COMPUTE_COMMANDS:
+        from dflash2_mlx.doctor import blas_hint
+
+        hint = blas_hint()
+        if hint:
+            typer.echo(hint, err=True)
 
 
 COMMAND_MODULES = ["generate", "doctor", "train", "eval", "serve", "models", "bench"]

@@ -335,19 +335,25 @@ def write_report(report: dict, out_dir) -> List[Path]:
 
 BENCH_FILES = ("gsm8k_test", "math500", "humaneval", "mbpp_test", "mt_bench")
 BENCH_DIR_ENV = "DFLASH2_MLX_BENCH_DIR"
+# The five prompt sets ship with the package (sources and licenses: bench_data/SOURCES.md).
+SHIPPED_BENCH_DIR = Path(__file__).parent / "bench_data"
 
 
-def default_bench_dir() -> Optional[Path]:
-    """``$DFLASH2_MLX_BENCH_DIR``, else ``../shared/data/bench`` next to the repository
-    (or the working directory) when it holds the five prompt sets; None otherwise."""
+def default_bench_dir() -> Path:
+    """``$DFLASH2_MLX_BENCH_DIR`` when set, else the prompt sets shipped in the package."""
     import os
 
     env = os.environ.get(BENCH_DIR_ENV)
-    candidates = [Path(env)] if env else []
-    root = Path(__file__).resolve().parent.parent
-    candidates += [root.parent / "shared" / "data" / "bench", Path.cwd().parent / "shared" / "data" / "bench",
-                   Path.cwd() / "shared" / "data" / "bench"]
-    for c in candidates:
-        if all((c / f"{name}.jsonl").is_file() for name in BENCH_FILES):
-            return c
-    return None
+    return Path(env) if env else SHIPPED_BENCH_DIR
+
+
+def default_bench_files() -> List[Path]:
+    """The five prompt sets (GSM8K, MATH-500, HumanEval, MBPP, MT-Bench) of ``default_bench_dir``;
+    a ValueError names the directory and what it lacks."""
+    where = default_bench_dir()
+    files = [where / f"{name}.jsonl" for name in BENCH_FILES]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise ValueError(f"{where} lacks the prompt set(s) {', '.join(absent)}: "
+                         f"give --bench FILE (repeat) or point ${BENCH_DIR_ENV} elsewhere")
+    return files

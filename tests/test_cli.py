@@ -1,11 +1,14 @@
 """The `dflash2-mlx generate` command, run as a real process."""
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 
 import dflash2_mlx as d
+from dflash2_mlx.doctor import openblas_path
 from tiny_models import make_drafter, make_target
 
 
@@ -66,3 +69,70 @@ def test_help_lists_every_option():
     top = run("--help").stdout
     for cmd in ["generate", "doctor", "train", "eval", "serve", "models"]:
         assert cmd in top
+
+
+def errors(stderr):
+    """stderr without the OpenBLAS note (printed when a CI machine lacks it)."""
+    return [line for line in stderr.splitlines() if line and not line.startswith("note: OpenBLAS")]
+
+
+@pytest.mark.parametrize("content,problem", [
+    (None, "no such file"),
+    ("dir", "is a directory"),
+    ("[{\"role\": \"user\",", "invalid JSON (Expecting"),
+    ("{\"role\": \"user\", \"content\": \"hi\"}", "must hold a JSON list of {role, content} objects"),
+])
+def test_messages_file_problems_are_one_line(pair, tmp_path, content, problem):
+    path = tmp_path / "chat.json"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    r = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--messages-file", str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = errors(r.stderr)
+    assert line.startswith(f"error: --messages-file {path}: ") and problem in line
+
+
+def test_drafter_for_another_model_names_the_cause(pair, tmp_path):
+    make_target(tmp_path / "other", "qwen3", hidden=128, alphabet="abcdefgh")
+    make_drafter(tmp_path / "od", tmp_path / "other", version=2)
+    (tmp_path / "od" / "model.safetensors").write_bytes(b"not read: the config is checked first")
+    r = run("generate", "--model", str(pair / "t"), "--draft", str(tmp_path / "od"), "--prompt", "ab")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    vocab = lambda p: json.loads((p / "config.json").read_text())["vocab_size"]
+    assert errors(r.stderr) == [
+        f"error: drafter does not match the target: vocab size: drafter {vocab(tmp_path / 'other')}, "
+        f"target {vocab(pair / 't')}; hidden size: drafter 128, target 64"]
+
+
+def test_max_tokens_minus_one_is_no_limit_and_zero_is_refused():
+    # As in mlx_lm.generate: -1 generates until the end of sequence. The built-in pair ends
+    # this reply with its end-of-sequence token well before 200 tokens.
+    prompt = ["generate", "--prompt", "Say hi."]
+    unlimited, bounded = run(*prompt, "--max-tokens", "-1"), run(*prompt, "--max-tokens", "200")
+    assert unlimited.returncode == 0, unlimited.stderr
+    assert unlimited.stdout.strip() and unlimited.stdout == bounded.stdout
+    for bad in ("0", "-2"):
+        r = run(*prompt, "--max-tokens", bad)
+        assert r.returncode == 2 and errors(r.stderr) == [
+            f"error: max_tokens must be positive (or -1 for no limit), got {bad}"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the OpenBLAS note is for Linux")
+def test_openblas_note_without_preload_and_doctor_reports_it(pair):
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = subprocess.run(["dflash2-mlx", "generate", "--model", str(pair / "t"), "--prompt", "ab",
+                        "--max-tokens", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    (note,) = [line for line in r.stderr.splitlines() if "OpenBLAS" in line]
+    assert note.startswith("note: OpenBLAS is not preloaded") and f"export LD_PRELOAD={openblas_path()}" in note
+    doctor = subprocess.run(["dflash2-mlx", "doctor"], capture_output=True, text=True, timeout=300, env=env)
+    assert "BLAS: MLX's bundled reference BLAS" in doctor.stdout and "export LD_PRELOAD=" in doctor.stdout
+    if os.path.exists(openblas_path()):
+        env["LD_PRELOAD"] = openblas_path()
+        r = subprocess.run(["dflash2-mlx", "generate", "--model", str(pair / "t"), "--prompt", "ab",
+                            "--max-tokens", "2"], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0 and "OpenBLAS" not in r.stderr
+        doctor = subprocess.run(["dflash2-mlx", "doctor"], capture_output=True, text=True, timeout=300, env=env)
+        assert "libopenblas" in doctor.stdout and "(loaded)" in doctor.stdout

