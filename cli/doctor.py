@@ -1,4 +1,5 @@
-"""``dflash2-mlx doctor``: which path each kernel runs and how its self-check went."""
+"""``dflash2-mlx doctor``: the BLAS MLX uses on Linux, and which path each kernel runs and
+how its self-check went."""
 
 import typer
 
@@ -8,7 +9,7 @@ def register(app: typer.Typer):
 
 
 def doctor():
-    """Report, per kernel, the active path (Metal or reference twin) and the self-check result."""
+    """Report the BLAS in use (Linux CPU) and, per kernel, the active path and self-check result."""
     from dflash2_mlx.doctor import run_doctor
 
     run_doctor(echo=typer.echo)
