@@ -43,12 +43,14 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Min-p filter (0 = off)."),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", help="Runtime block size: anchor + drafted tokens (default 5, at most the drafter's trained size)."),
+    block_size: str = typer.Option(
+        "auto", "--block-size", help="Block size (anchor + drafted tokens): 'auto' chooses it every cycle from measured costs and live acceptance (1 = plain decoding); a number in 1..the drafter's trained size fixes it."),
+    draft_window: Optional[int] = typer.Option(
+        None, "--draft-window", help="Context rows a draft reads, the latest ones (default: all)."),
     draft_bits: Optional[int] = typer.Option(None, "--draft-bits", help="Quantize the drafter's weights to 2, 4 or 8 bits."),
     draft_group_size: int = typer.Option(64, "--draft-group-size", help="Group size for --draft-bits (32, 64 or 128)."),
     draft_activation_bits: int = typer.Option(32, "--draft-activation-bits", help="Drafter activation precision: 32 (fp32) or 16 (bf16)."),
-    verify_mode: str = typer.Option("dflash", "--verify-mode", help="'dflash' (speculative) or 'off' (plain decoding)."),
+    verify_mode: str = typer.Option("dflash", "--verify-mode", help="'dflash' (speculative), 'adaptive' (block size 'auto', a --block-size number is the largest) or 'off' (plain decoding)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Feed --prompt as raw text instead of a user message in the chat template."),
@@ -78,7 +80,7 @@ def generate(
         for last in stream_generate(
                 target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,
                 top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size,
-                verify_mode=verify_mode, seed=seed):
+                verify_mode=verify_mode, seed=seed, draft_window=draft_window):
             typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:
         typer.echo(("\n" if last is not None else "") + f"error: {e}", err=True)

@@ -2,7 +2,7 @@
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx_lm
@@ -10,13 +10,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import adaptive
 from .drafter import Drafter
 from .loading import load_drafter, quantize, resolve, set_activation_bits
 from .sampling import SamplingParams
 from .speculative import speculative_generate_step
 from .target import attach
 
-VERIFY_MODES = ("dflash", "off")
+VERIFY_MODES = ("dflash", "adaptive", "off")
 
 
 @dataclass
@@ -36,6 +37,8 @@ class GenerationResponse:
     tau: float = 0.0  # running mean acceptance length
     acceptance_counts: List[int] = field(default_factory=list)  # per draft position
     cycles: int = 0
+    block_sizes: Dict[int, int] = field(default_factory=dict)  # cycles per block size so far
+    fallback: bool = False  # adaptive mode is decoding plain for now (probing the drafter)
 
 
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
@@ -80,13 +83,17 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     return mx.array(ids, dtype=mx.uint32)
 
 
-def check_block_size(drafter: Drafter, block_size: Optional[int]) -> int:
+def check_block_size(drafter: Drafter, block_size: Union[int, str, None]) -> Union[int, str]:
+    """A block size in 1..the drafter's trained size, or "auto" (also for None)."""
     trained = drafter.config.block_size
-    block_size = min(5, trained) if block_size is None else block_size
+    if block_size is None or block_size == adaptive.AUTO:
+        return adaptive.AUTO
+    if isinstance(block_size, str) and block_size.isdigit():
+        block_size = int(block_size)
     if not isinstance(block_size, int) or not 1 <= block_size <= trained:
         raise ValueError(
-            f"block size {block_size} is impossible for this drafter: "
-            f"use 1..{trained} (its trained block size)"
+            f"block size {block_size!r} is impossible for this drafter: "
+            f"use 1..{trained} (its trained block size) or 'auto'"
         )
     return block_size
 
@@ -95,12 +102,16 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0,
                     min_p: float = 0.0, top_k: int = 0,
                     logits_processors: Optional[List[Callable]] = None,
-                    block_size: Optional[int] = None, verify_mode: str = "dflash",
-                    seed: Optional[int] = None, prefill_step_size: int = 2048):
+                    block_size: Union[int, str, None] = adaptive.AUTO, verify_mode: str = "dflash",
+                    seed: Optional[int] = None, prefill_step_size: int = 2048,
+                    draft_window: Optional[int] = None):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
-    With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles;
-    ``verify_mode="off"`` (or no drafter) is plain autoregressive decoding."""
+    With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
+    ``block_size`` ("auto": chosen every cycle, see ``adaptive.py``; a number fixes it);
+    ``verify_mode="adaptive"`` is "auto" with a number as the largest block;
+    ``verify_mode="off"`` (or no drafter) is plain autoregressive decoding.
+    ``draft_window``: how many of the latest context rows a draft reads (None: all)."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if max_tokens == 0 or max_tokens < -1:
@@ -113,14 +124,21 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     if seed is not None:
         mx.random.seed(seed)
 
-    speculative = drafter is not None and verify_mode == "dflash"
-    if speculative:
+    tic = time.perf_counter()
+    policy = None
+    if drafter is not None and verify_mode != "off":
         block_size = check_block_size(drafter, block_size)
         target = attach(model, drafter)
+        # "auto" measures the machine's costs on a pair's first request (about a second).
+        # With a seed it starts without the pair's history: same seed and costs, same text.
+        policy = adaptive.policy(
+            target, drafter, adaptive.AUTO if verify_mode == "adaptive" else block_size,
+            greedy=params.greedy, history=seed is None,
+            largest=None if block_size == adaptive.AUTO else block_size)
         tokens = speculative_generate_step(
             ids, target, drafter, max_tokens=limit, params=params,
-            logits_processors=logits_processors, block_size=block_size,
-            prefill_step_size=prefill_step_size,
+            logits_processors=logits_processors, block_size=policy,
+            prefill_step_size=prefill_step_size, draft_window=draft_window,
         )
     else:
         sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, top_k=top_k)
@@ -129,9 +147,15 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                               prefill_step_size=prefill_step_size)
         tokens = ((int(t), lp, False, None) for t, lp in plain)
 
+    try:
+        yield from _responses(tokens, tokenizer, ids, limit, tic)
+    finally:
+        adaptive.remember(policy)
+
+
+def _responses(tokens, tokenizer, ids, limit, tic):
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
     for n, (token, logprobs, from_draft, stats) in enumerate(tokens, start=1):
         if n == 1:
@@ -161,6 +185,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             tau=stats.tau if stats else 0.0,
             acceptance_counts=list(stats.position_accepted) if stats else [],
             cycles=stats.cycles if stats else 0,
+            block_sizes=dict(sorted(stats.block_sizes.items())) if stats else {},
+            fallback=stats.fallback if stats else False,
         )
         if finish:
             return
@@ -180,8 +206,14 @@ def generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None, verbos
     return text
 
 
+def blocks_text(block_sizes: Dict[int, int], fallback: bool) -> str:
+    """The block-size histogram, e.g. "blocks 1x40 3x6 (plain fallback)"."""
+    hist = " ".join(f"{b}x{n}" for b, n in sorted(block_sizes.items()))
+    return f"blocks {hist}" + (" (plain fallback)" if fallback else "")
+
+
 def stats_line(r: GenerationResponse) -> str:
-    tau = f"tau {r.tau:.2f} | " if r.cycles else ""
+    tau = f"tau {r.tau:.2f} | {blocks_text(r.block_sizes, r.fallback)} | " if r.cycles else ""
     return (f"{tau}generation {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | "
             f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
             f"peak memory {r.peak_memory:.3f} GB")

@@ -1,17 +1,22 @@
 """The DFlash draft -> propose -> verify -> accept cycle.
 
-Each cycle: the drafter fills a block [anchor, MASK...] in one pass, the drafted
-tokens are proposed (argmax / sample / selector walk), the target verifies the
-whole block in one pass, the accepted prefix plus the target's own next token is
-committed, the target cache is rolled back to that point and the draft cache gets
-the committed tokens' features.  Yields (token, logprobs, from_draft, stats) per token.
+Each cycle: the policy picks the block size (fixed, or adaptive: ``adaptive.py``), the
+drafter fills a block [anchor, MASK...] in one pass, the drafted tokens are proposed
+(argmax / sample / selector walk), the target verifies the whole block in one pass, the
+accepted prefix plus the target's own next token is committed, the target cache is
+rolled back to that point and the draft context gets the committed tokens' features.
+A block of 1 is a plain decode step: no drafter pass.  Yields (token, logprobs,
+from_draft, stats) per token.
 """
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
+from . import adaptive
+from .draft_context import DraftContext
 from .drafter import Drafter, propose
 from .sampling import (SamplingParams, accept_greedy, accept_sampled, probs,
                        processed_logprobs, sample)
@@ -21,17 +26,21 @@ from .target import Target, rollback, snapshot
 @dataclass
 class CycleStats:
     """Draft statistics of one generation, updated after every cycle."""
-    block_size: int
+    block_size: int  # the largest block a cycle may use
     cycles: int = 0
     accepted: int = 0  # draft tokens accepted in the latest cycle
     total_accepted: int = 0
     position_accepted: List[int] = field(default_factory=list)
+    block_sizes: Dict[int, int] = field(default_factory=Counter)  # cycles per block size
+    fallback: bool = False  # the adaptive policy is decoding plain (probing now and then)
 
     def __post_init__(self):
         self.position_accepted = [0] * max(self.block_size - 1, 0)
 
-    def record(self, accepted: int):
+    def record(self, block_size: int, accepted: int, fallback: bool = False):
         self.cycles += 1
+        self.block_sizes[block_size] += 1
+        self.fallback = fallback
         self.accepted = accepted
         self.total_accepted += accepted
         for i in range(accepted):
@@ -61,17 +70,22 @@ def speculative_generate_step(
     max_tokens: int = 256,
     params: SamplingParams = SamplingParams(),
     logits_processors: Optional[List[Callable]] = None,
-    block_size: int = 5,
+    block_size=adaptive.AUTO,
     prefill_step_size: int = 2048,
     prompt_cache: Optional[list] = None,
+    draft_window: Optional[int] = None,
 ) -> Iterator:
+    """``block_size``: a number, "auto", or a policy (``adaptive.policy``); ``draft_window``:
+    how many of the latest context rows a draft reads (None: all)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
-    draft_cache = drafter.make_cache()
-    stats = CycleStats(block_size)
+    policy = block_size if hasattr(block_size, "record") else adaptive.policy(
+        target, drafter, block_size, params.greedy)
+    context = DraftContext(drafter, draft_window)
+    stats = CycleStats(policy.largest)
     mask = drafter.config.mask_token_id
 
     logits, features = prefill(target, prompt, cache, prefill_step_size)
-    drafter.append_context(features, draft_cache)
+    context.add(features)
     history = prompt
     logprobs = processed_logprobs(logits, prompt[:-1], prompt[-1:], logits_processors)
     anchor = int(sample(logprobs, params)[0].item())
@@ -79,10 +93,11 @@ def speculative_generate_step(
     emitted = 1
 
     while emitted < max_tokens:
-        block = mx.array([[anchor] + [mask] * (block_size - 1)])
+        b = policy.block_size(history.size)
+        block = mx.array([[anchor] + [mask] * (b - 1)])
         # Draft + propose: one drafter pass, then per-position picks or the selector walk.
-        if block_size > 1:
-            hidden = drafter(block, draft_cache)
+        if b > 1:
+            hidden = drafter(block, context.fed())
             draft, q = propose(drafter, hidden, mx.array(anchor), params)
         else:
             draft, q = mx.array([], dtype=mx.int32), None
@@ -98,9 +113,10 @@ def speculative_generate_step(
             accepted, bonus = accept_sampled(probs(logprobs, params), q, draft)
         kept = verify[: accepted + 1]
         rollback(target, cache, saved, verify.size, kept[None])
-        drafter.append_context(features[:, : accepted + 1], draft_cache)
+        context.add(features[:, : accepted + 1])
         history = mx.concatenate([history, kept])
-        stats.record(accepted)
+        policy.record(b, accepted)
+        stats.record(b, accepted, policy.fallback)
 
         for i, token in enumerate(draft[:accepted].tolist() + [bonus]):
             yield token, logprobs[i], i < accepted, stats

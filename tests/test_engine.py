@@ -76,7 +76,9 @@ def test_greedy_output_and_stats(engine, reference):
     assert stats["requests"] == before["requests"] + 3
     assert stats["generation_tokens"] == before["generation_tokens"] + 24 + 24 + 16
     assert stats["cycles"] > before["cycles"] and stats["mean_tau"] >= 1.0
-    assert len(stats["acceptance_by_position"]) == 4  # default block size 5: four draft positions
+    assert len(stats["acceptance_by_position"]) == 7  # block size "auto": up to the trained 8
+    assert sum(stats["block_sizes"].values()) == stats["cycles"] and "adaptive_fallbacks" in stats
+    assert sum(got.block_sizes.values()) == got.cycles
     assert stats["generation_tps"] > 0 and not engine.has_active_requests()
 
 

@@ -97,8 +97,8 @@ def test_invalid_values_are_rejected_naming_the_field(tmp_path, field, value):
 
 
 def test_unimplemented_verify_modes_say_so(tmp_path):
-    with pytest.raises(SettingsError, match="'adaptive' is not supported yet"):
-        SettingsStore(tmp_path / "s.json").set("m", dflash_verify_mode="adaptive")
+    with pytest.raises(SettingsError, match="'ddtree' is not supported yet"):
+        SettingsStore(tmp_path / "s.json").set("m", dflash_verify_mode="ddtree")
 
 
 def test_invalid_value_in_the_file_is_reported_on_read(tmp_path):

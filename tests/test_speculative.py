@@ -80,7 +80,9 @@ def test_public_stream_generate_matches_mlx_lm(pairs):
     last = responses[-1]
     assert last.finish_reason in ("length", "stop")
     assert last.cycles > 0 and last.tau >= 1.0
-    assert len(last.acceptance_counts) == 4  # default block size 5
+    assert len(last.acceptance_counts) == 7  # block size "auto": up to the trained 8
+    assert sum(last.block_sizes.values()) == last.cycles
+    assert set(last.block_sizes) <= set(range(1, 9))
     off = [r.token for r in d.stream_generate(model, tok, prompt, drafters[2], max_tokens=16,
                                               verify_mode="off")]
     assert off == [r.token for r in responses]

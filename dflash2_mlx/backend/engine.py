@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, List, Optional, Sequence
+from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 from .settings import ModelSettings
 from .stats import EngineStats
@@ -52,6 +52,8 @@ class Chunk:
     tau: float = 0.0
     cycles: int = 0
     generation_tps: float = 0.0
+    block_sizes: Dict[int, int] = field(default_factory=dict)  # cycles per block size
+    fallback: bool = False  # adaptive speculation is decoding plain for now
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Completion:
     cycles: int = 0
     generation_tps: float = 0.0
     request_id: str = ""
+    block_sizes: Dict[int, int] = field(default_factory=dict)
+    fallback: bool = False
 
 
 class _Turns:
@@ -354,7 +358,8 @@ class Engine:
                 temp=temp, top_p=_first(p.get("top_p"), s.top_p, 1.0),
                 top_k=_first(p.get("top_k"), s.top_k, 0), min_p=_first(p.get("min_p"), s.min_p, 0.0),
                 logits_processors=make_logits_processors(**penalties) if penalties else None,
-                block_size=s.dflash_block_size, verify_mode=mode, seed=p.get("seed"))
+                block_size=s.dflash_block_size, verify_mode=mode, seed=p.get("seed"),
+                draft_window=s.dflash_draft_window or None)
             for last in gen:
                 n = last.generation_tokens
                 text, hit = matcher.add(last.text)
@@ -373,7 +378,7 @@ class Engine:
                     finish = "tool_calls"
                 if content or calls or finish:
                     push(Chunk(content, finish, n_prompt, n, calls, last.tau, last.cycles,
-                               last.generation_tps))
+                               last.generation_tps, last.block_sizes, last.fallback))
                 if finish:
                     break
                 yield
@@ -394,6 +399,7 @@ class Engine:
                     prompt_seconds=n_prompt / last.prompt_tps if last.prompt_tps else 0.0,
                     generation_seconds=n / last.generation_tps if last.generation_tps else 0.0,
                     cycles=last.cycles, tau=last.tau, position_accepted=last.acceptance_counts,
+                    block_sizes=last.block_sizes, fallback=last.fallback,
                     plain=mode == "off" and self._drafter is not None, finish_reason=finish)
             else:
                 self._stats.add(prompt_tokens=n_prompt, finish_reason=finish or "abort")
@@ -431,4 +437,5 @@ async def _collect(chunks: AsyncIterator[Chunk]) -> Completion:
         text += last.text
         calls += last.tool_calls
     return Completion(text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
-                      calls, last.tau, last.cycles, last.generation_tps)
+                      calls, last.tau, last.cycles, last.generation_tps,
+                      block_sizes=last.block_sizes, fallback=last.fallback)

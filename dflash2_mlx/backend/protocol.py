@@ -154,6 +154,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def dflash_stats(c) -> dict:
+    """The draft statistics of a response (a Completion or the last Chunk)."""
+    return {"tau": c.tau, "cycles": c.cycles, "block_sizes": c.block_sizes, "fallback": c.fallback}
+
+
 def chat_response(rid, model, completion) -> dict:
     message = {"role": "assistant", "content": completion.text}
     if completion.tool_calls:
@@ -163,7 +168,7 @@ def chat_response(rid, model, completion) -> dict:
         "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason,
                      "logprobs": None}],
         "usage": usage(completion.prompt_tokens, completion.completion_tokens),
-        "dflash": {"tau": completion.tau, "cycles": completion.cycles},
+        "dflash": dflash_stats(completion),
     }
 
 
@@ -178,7 +183,7 @@ def completion_response(rid, model, completion) -> dict:
         "choices": [{"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
                      "logprobs": None}],
         "usage": usage(completion.prompt_tokens, completion.completion_tokens),
-        "dflash": {"tau": completion.tau, "cycles": completion.cycles},
+        "dflash": dflash_stats(completion),
     }
 
 
@@ -187,6 +192,7 @@ def completion_chunk(rid, model, created, text: str, finish_reason=None) -> dict
             "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
 
 
-def usage_chunk(rid, model, created, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(rid, model, created, obj: str, last) -> dict:
+    """The closing usage chunk of a stream, from its last Chunk."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(last.prompt_tokens, last.completion_tokens), "dflash": dflash_stats(last)}

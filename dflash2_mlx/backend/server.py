@@ -221,8 +221,7 @@ async def _chat_events(rid, body: ChatRequest, chunks):
         if delta or last.finish_reason:
             yield chat_chunk(rid, body.model, created, delta, last.finish_reason)
     if body.include_usage and last is not None:
-        yield usage_chunk(rid, body.model, created, "chat.completion.chunk",
-                          last.prompt_tokens, last.completion_tokens)
+        yield usage_chunk(rid, body.model, created, "chat.completion.chunk", last)
 
 
 async def _completion_events(rid, body: CompletionRequest, chunks):
@@ -231,8 +230,7 @@ async def _completion_events(rid, body: CompletionRequest, chunks):
     async for last in chunks:
         yield completion_chunk(rid, body.model, created, last.text, last.finish_reason)
     if body.include_usage and last is not None:
-        yield usage_chunk(rid, body.model, created, "text_completion",
-                          last.prompt_tokens, last.completion_tokens)
+        yield usage_chunk(rid, body.model, created, "text_completion", last)
 
 
 def serve(pool: EnginePool, host: str = "127.0.0.1", port: int = 8000, preload=(),

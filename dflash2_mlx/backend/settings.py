@@ -23,8 +23,8 @@ from typing import Any, Dict, Optional
 SETTINGS_VERSION = 1
 SETTINGS_ENV = "DFLASH2_MLX_SETTINGS"
 DEFAULT_SETTINGS = Path("~/.dflash2-mlx/model_settings.json")
-VERIFY_MODES = ("dflash", "off")
-FUTURE_VERIFY_MODES = ("adaptive", "ddtree")  # oMLX's other modes: not implemented here yet
+VERIFY_MODES = ("dflash", "adaptive", "off")
+FUTURE_VERIFY_MODES = ("ddtree",)  # oMLX's other modes: not implemented here yet
 
 
 class SettingsError(ValueError):
@@ -62,6 +62,7 @@ FIELDS = {
     "dflash_block_size": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "dflash_verify_mode": (lambda v: v in VERIFY_MODES, " or ".join(repr(m) for m in VERIFY_MODES)),
     "dflash_max_ctx": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = no limit)"),
+    "dflash_draft_window": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = the whole context)"),
     "max_context_window": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "max_tokens": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "temperature": (lambda v: _num(v, lo=0), "a number >= 0"),
@@ -97,6 +98,7 @@ class ModelSettings:
     dflash_block_size: Optional[int] = None
     dflash_verify_mode: Optional[str] = None
     dflash_max_ctx: Optional[int] = None
+    dflash_draft_window: Optional[int] = None  # context rows a draft reads (the latest)
     max_context_window: Optional[int] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -155,7 +157,9 @@ class ModelSettings:
                 self.max_context_window)
 
     def verify_mode(self, prompt_tokens: int) -> str:
-        """'off' (plain decoding) above ``dflash_max_ctx`` prompt tokens or when disabled."""
+        """'off' (plain decoding) above ``dflash_max_ctx`` prompt tokens or when disabled;
+        'adaptive' chooses the block size every cycle (``dflash_block_size`` is then the
+        largest); 'dflash' with no ``dflash_block_size`` is adaptive too."""
         if self.draft is None:
             return "off"
         if self.dflash_max_ctx and prompt_tokens > self.dflash_max_ctx:

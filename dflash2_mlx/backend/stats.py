@@ -2,7 +2,7 @@
 
 import threading
 import time
-from typing import List
+from typing import Dict, List
 
 
 class EngineStats:
@@ -23,6 +23,8 @@ class EngineStats:
         self.cycles = 0
         self.accepted_length = 0  # sum over cycles of (accepted + 1)
         self.position_accepted: List[int] = []
+        self.block_sizes: Dict[int, int] = {}  # cycles per block size
+        self.adaptive_fallbacks = 0  # requests that ended decoding plain (adaptive mode)
         self.last_generation_tps = 0.0
         self.last_tau = 0.0
         self.active = 0
@@ -30,7 +32,7 @@ class EngineStats:
 
     def add(self, *, prompt_tokens=0, generation_tokens=0, prompt_seconds=0.0,
             generation_seconds=0.0, cycles=0, tau=0.0, position_accepted=(),
-            plain=False, finish_reason=None):
+            plain=False, finish_reason=None, block_sizes=None, fallback=False):
         with self._lock:
             self.requests += 1
             self.aborted += finish_reason == "abort"
@@ -46,6 +48,9 @@ class EngineStats:
                 self.position_accepted += [0] * (len(position_accepted) - len(self.position_accepted))
             for i, n in enumerate(position_accepted):
                 self.position_accepted[i] += n
+            for b, n in (block_sizes or {}).items():
+                self.block_sizes[b] = self.block_sizes.get(b, 0) + n
+            self.adaptive_fallbacks += bool(fallback)
             if generation_tokens:
                 self.last_generation_tps = generation_tokens / max(generation_seconds, 1e-9)
             if cycles:
@@ -74,6 +79,8 @@ class EngineStats:
                 "mean_tau": self.accepted_length / c if c else 0.0,
                 "acceptance_by_position": [n / c for n in self.position_accepted] if c else [],
                 "accepted_by_position": list(self.position_accepted),
+                "block_sizes": dict(sorted(self.block_sizes.items())),
+                "adaptive_fallbacks": self.adaptive_fallbacks,
                 "generation_tps": self.generation_tokens / self.generation_seconds
                 if self.generation_seconds else 0.0,
                 "prompt_tps": self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0,

@@ -1,0 +1,399 @@
+"""Adaptive speculation: each cycle, the block size that maximizes expected tokens per second.
+
+- ``CostModel``: the seconds of a target pass over b rows and of a drafter step with block
+  b, each as ``base + slope * context``; measured once per (target, drafter, machine) by
+  ``calibrate`` (about a second) and cached on disk by ``cost_model``.
+- ``Acceptance``: per-position conditional acceptance rates of the request at hand,
+  decayed so they follow it, seeded from this pair's history on this machine.
+- ``best_block``: argmax over b in 1..largest of E[tokens | b] / cost(b, context); b = 1
+  is a plain decode step (no drafter pass).
+- ``Adaptive``: the per-request state the cycle asks for a block size and tells what was
+  accepted; after falling back to plain decoding it probes the drafter now and then.
+
+The choice depends only on the past, so every cycle stays lossless whatever it picks.
+"""
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+AUTO = "auto"
+STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
+CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
+PRIOR_RATE = 0.5  # acceptance assumed for a pair never seen on this machine
+PRIOR_WEIGHT = 2.0  # pseudo-cycles behind each prior rate
+SEED_WEIGHT = 4.0  # cycles a pair's history on this machine counts for at a request's start
+DECAY = 0.95  # evidence kept per drafted cycle
+PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backing off, at most
+
+
+# --- the cost model -------------------------------------------------------------------
+
+Line = Tuple[float, float]  # (seconds at context 0, extra seconds per context token)
+
+
+def _interp(points: Dict[int, Line], b: int) -> Line:
+    """Piecewise-linear interpolation of the measured lines over block sizes."""
+    keys = sorted(points)
+    if b <= keys[0] or b >= keys[-1]:
+        return points[keys[0] if b <= keys[0] else keys[-1]]
+    hi = next(k for k in keys if k >= b)
+    lo = max(k for k in keys if k <= b)
+    if hi == lo:
+        return points[lo]
+    w = (b - lo) / (hi - lo)
+    return tuple((1 - w) * x + w * y for x, y in zip(points[lo], points[hi]))
+
+
+@dataclass
+class CostModel:
+    """Seconds of the parts of a cycle: ``target[b]`` (a verify pass over b rows) and
+    ``drafter[b]`` (feeding, drafting and proposing a block of b), as (base, per token)."""
+    target: Dict[int, Line]
+    drafter: Dict[int, Line]
+    created: float = field(default_factory=time.time)
+    calibration_s: float = 0.0
+
+    def cycle(self, b: int, context: int) -> float:
+        base, slope = _interp(self.target, b)
+        seconds = base + slope * context
+        if b > 1:
+            base, slope = _interp(self.drafter, b)
+            seconds += base + slope * context
+        return seconds
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        lines = lambda d: {int(k): tuple(v) for k, v in d.items()}
+        return cls(lines(data["target"]), lines(data["drafter"]), data["created"],
+                   data.get("calibration_s", 0.0))
+
+
+def _pad(cache, n: int):
+    """Grow every attention cache by ``n`` zero rows: attention then costs what it costs
+    at that context, without a prefill (recurrent caches do not grow)."""
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        if isinstance(keys, mx.array) and keys.ndim == 4:
+            shape = (keys.shape[0], keys.shape[1], n, keys.shape[3])
+            c.update_and_fetch(mx.zeros(shape, keys.dtype), mx.zeros(shape[:3] + c.values.shape[3:],
+                                                                     c.values.dtype))
+    mx.eval([c.state for c in cache])
+
+
+def _timed(fn) -> float:
+    tic = time.perf_counter()
+    fn()
+    return time.perf_counter() - tic
+
+
+def calibrate(target, drafter, budget_s: float = 1.5, rounds: Tuple[int, int] = (2, 5)) -> CostModel:
+    """Measure target passes over 1, 2 and B rows and drafter steps with blocks 2 and B
+    at a short context, 1 and B rows at a long one, and fit ``base + slope * context``
+    per block size (others are interpolated).  Each point keeps its fastest of 2 to 5
+    rounds (more while ``budget_s`` lasts), and a block never costs less than a smaller
+    one: a burst of other work on the machine cannot make a large block look cheap."""
+    from .drafter import propose
+    from .sampling import SamplingParams
+
+    tic = time.perf_counter()
+    B, mask = drafter.config.block_size, drafter.config.mask_token_id
+    short, long = CONTEXTS
+    caches = {}
+    for n in CONTEXTS:
+        cache = target.make_cache()
+        _, features = target(mx.zeros((1, 1), dtype=mx.int32), cache)
+        _pad(cache, n - 1)
+        draft_cache = drafter.make_cache()
+        drafter.append_context(features, draft_cache)
+        _pad(draft_cache, n - 1)
+        caches[n] = (cache, features, draft_cache)
+
+    def target_pass(b, n):
+        cache = caches[n][0]
+        mx.eval(target(mx.zeros((1, b), dtype=mx.int32), cache))
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(b)
+
+    def drafter_step(b, n):
+        _, features, draft_cache = caches[n]
+        drafter.append_context(features, draft_cache)
+        hidden = drafter(mx.array([[0] + [mask] * (b - 1)]), draft_cache)
+        mx.eval(propose(drafter, hidden, mx.array(0), SamplingParams())[0])
+        for c in draft_cache:
+            c.trim(1)
+
+    sizes = sorted({2, B})
+    points = ([(target_pass, b, short) for b in [1] + sizes] + [(target_pass, b, long) for b in {1, B}]
+              + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
+    target_pass(B, short)  # warm-up
+    best = {p: float("inf") for p in points}
+    for r in range(rounds[1]):
+        start = time.perf_counter()
+        for p in points:
+            best[p] = min(best[p], _timed(lambda: p[0](p[1], p[2])))
+        now = time.perf_counter()
+        if r + 1 >= rounds[0] and now + (now - start) - tic > budget_s:
+            break
+    for step, b, n in sorted(points, key=lambda p: -p[1]):  # suffix minimum over block sizes
+        best[(step, b, n)] = min(v for (s, b2, n2), v in best.items() if s is step and n2 == n and b2 >= b)
+
+    def lines(step, blocks):
+        slopes = {b: (max(0.0, (best[(step, b, long)] - best[(step, b, short)]) / (long - short)), 0.0)
+                  for b in blocks if (step, b, long) in best}
+        out = {}
+        for b in blocks:
+            slope = _interp(slopes, b)[0]
+            out[b] = (best[(step, b, short)] - slope * short, slope)
+        return out
+
+    return CostModel(lines(target_pass, [1] + sizes), lines(drafter_step, sizes),
+                     calibration_s=time.perf_counter() - tic)
+
+
+# --- identities and the on-disk cache ---------------------------------------------------
+
+def _digest(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _shapes(module) -> list:
+    return sorted((k, v.dtype.__repr__(), v.shape) for k, v in tree_flatten(module.parameters()))
+
+
+def machine_identity() -> dict:
+    import mlx
+
+    info = {"machine": platform.machine(), "processor": platform.processor(),
+            "system": platform.system(), "cpus": os.cpu_count(),
+            "mlx": getattr(mlx, "__version__", None) or mx.__version__,
+            "device": str(mx.default_device()),
+            "blas": os.path.basename(os.environ.get("LD_PRELOAD", ""))}
+    if mx.metal.is_available():
+        info["gpu"] = mx.metal.device_info().get("device_name", "")
+    return info
+
+
+def cost_key(target, drafter) -> str:
+    """Model identity (architecture, shapes and dtypes of every weight), machine."""
+    return _digest({"target": _shapes(target.model), "drafter": _shapes(drafter),
+                    "drafter_activations": str(drafter.activation_dtype),
+                    "machine": machine_identity()})
+
+
+def pair_key(target, drafter, greedy: bool) -> str:
+    """The pair's weights themselves (acceptance depends on them), and the sampling kind."""
+    probe = lambda m: [float(mx.sum(v.astype(mx.float32))) for _, v in tree_flatten(m.parameters())[:4]]
+    return _digest({"cost": cost_key(target, drafter), "target": probe(target.model),
+                    "drafter": probe(drafter), "greedy": greedy})
+
+
+def cache_dir() -> Path:
+    from .smollm2 import cache_home
+
+    return cache_home() / "adaptive"
+
+
+def _read(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Path, data: dict):
+    """Atomic: a temp file renamed over the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+_costs: Dict[str, CostModel] = {}
+
+
+def cost_model(target, drafter) -> CostModel:
+    """The pair's cost model on this machine: from memory, else from disk when fresh,
+    else calibrated now (and saved)."""
+    key = cost_key(target, drafter)
+    costs = _costs.get(key)
+    if costs is None or time.time() - costs.created > STALE_AFTER_S:
+        path = cache_dir() / f"costs-{key}.json"
+        data = _read(path)
+        try:
+            costs = CostModel.from_json(data)
+        except (TypeError, KeyError, ValueError, AttributeError):
+            costs = None
+        if costs is None or time.time() - costs.created > STALE_AFTER_S:
+            costs = calibrate(target, drafter)
+            _write(path, costs.to_json())
+        _costs[key] = costs
+    return costs
+
+
+# --- acceptance ---------------------------------------------------------------------------
+
+@dataclass
+class Acceptance:
+    """Decayed counts of drafted cycles that reached each draft position and that
+    accepted its token.
+
+    ``rates()`` are conditional (position i accepted given all before it were).  Each
+    shrinks towards the previous position's rate (the first towards PRIOR_RATE), so a
+    position not tried for a while drifts back to a guess worth trying."""
+    reached: List[float]
+    accepted: List[float]
+
+    @classmethod
+    def empty(cls, positions: int) -> "Acceptance":
+        return cls([0.0] * positions, [0.0] * positions)
+
+    def record(self, b: int, accepted: int):
+        """One drafted cycle with block ``b`` whose first ``accepted`` drafts were taken."""
+        self.reached = [x * DECAY for x in self.reached]
+        self.accepted = [x * DECAY for x in self.accepted]
+        for i in range(min(accepted + 1, b - 1)):
+            self.reached[i] += 1
+            self.accepted[i] += i < accepted
+
+    def rates(self) -> List[float]:
+        out, prev = [], PRIOR_RATE
+        for n, a in zip(self.reached, self.accepted):
+            prev = (a + PRIOR_WEIGHT * prev) / (n + PRIOR_WEIGHT)
+            out.append(prev)
+        return out
+
+    def scaled(self, weight: float) -> "Acceptance":
+        """The same rates, as if ``weight`` cycles had reached the first position."""
+        f = weight / self.reached[0] if self.reached and self.reached[0] else 0.0
+        return Acceptance([f * x for x in self.reached], [f * x for x in self.accepted])
+
+
+def expected_tokens(rates: List[float], b: int) -> float:
+    """E[tokens emitted by a cycle with block b]: the bonus plus each accepted draft."""
+    total, reach = 1.0, 1.0
+    for r in rates[: b - 1]:
+        reach *= r
+        total += reach
+    return total
+
+
+def best_block(rates: List[float], costs: CostModel, context: int, largest: int,
+               smallest: int = 1) -> int:
+    """The block size in smallest..largest with the most expected tokens per second."""
+    return max(range(smallest, largest + 1),
+               key=lambda b: expected_tokens(rates, b) / costs.cycle(b, context))
+
+
+# --- the per-request policy --------------------------------------------------------------
+
+class Fixed:
+    """A block size that never changes (``--block-size N``)."""
+
+    fallback = False
+
+    def __init__(self, block_size: int):
+        self.largest = block_size
+
+    def block_size(self, context: int) -> int:
+        return self.largest
+
+    def record(self, b: int, accepted: int):
+        pass
+
+
+class Adaptive:
+    """Chooses each cycle's block size from the cost model and the live acceptance.
+
+    When the best block is 1 (plain decoding) it probes with the best drafting block
+    after ``wait`` plain steps; the wait doubles after every probe with nothing accepted
+    (up to PROBE_MAX) and starts over after one that had a draft accepted.  A request
+    starts from its pair's history (worth SEED_WEIGHT cycles) when there is one; only a
+    pair without any probes at once when its prior says plain."""
+
+    def __init__(self, costs: CostModel, largest: int, acceptance: Acceptance, seeded: bool = False):
+        self.costs, self.largest, self.acceptance = costs, largest, acceptance
+        self.fallback = False
+        self.wait = PROBE_FIRST if seeded else 0
+        self.backoff = PROBE_FIRST
+
+    def block_size(self, context: int) -> int:
+        rates = self.acceptance.rates()
+        b = best_block(rates, self.costs, context, self.largest)
+        self.fallback = b == 1
+        if b > 1 or self.wait > 0:
+            return b
+        return best_block(rates, self.costs, context, self.largest, smallest=2)  # a probe
+
+    def record(self, b: int, accepted: int):
+        if b > 1:
+            self.acceptance.record(b, accepted)
+        if not self.fallback:  # drafting: a fallback from here waits before probing
+            self.wait, self.backoff = PROBE_FIRST, PROBE_FIRST
+        elif b == 1:
+            self.wait -= 1
+        elif accepted:  # a probe with a sign of life: probe again soon (at once if all taken)
+            self.wait = 0 if accepted == b - 1 else PROBE_FIRST
+            self.backoff = PROBE_FIRST
+        else:  # a probe that found nothing: wait longer
+            self.wait = self.backoff
+            self.backoff = min(2 * self.backoff, PROBE_MAX)
+
+
+def history_path(key: str) -> Path:
+    return cache_dir() / f"acceptance-{key}.json"
+
+
+def load_history(key: str, positions: int) -> Optional[Acceptance]:
+    data = _read(history_path(key))
+    try:
+        hist = Acceptance(list(data["reached"]), list(data["accepted"]))
+    except (TypeError, KeyError):
+        return None
+    return hist if len(hist.reached) == positions and hist.reached[0] > 0 else None
+
+
+def save_history(key: str, acceptance: Acceptance, weight: float = 0.5):
+    """Fold a request's acceptance into the pair's history (older requests weigh less)."""
+    if not any(acceptance.reached):
+        return
+    old = load_history(key, len(acceptance.reached)) or Acceptance.empty(len(acceptance.reached))
+    _write(history_path(key), {
+        "reached": [weight * o + n for o, n in zip(old.reached, acceptance.reached)],
+        "accepted": [weight * o + n for o, n in zip(old.accepted, acceptance.accepted)]})
+
+
+def policy(target, drafter, block_size=AUTO, greedy: bool = True,
+           costs: Optional[CostModel] = None, history: bool = True, largest: Optional[int] = None):
+    """The block-size policy of one request: ``Fixed`` for a number, ``Adaptive`` for
+    "auto" (costs measured or cached unless given; acceptance seeded from this pair's
+    history unless ``history`` is False) choosing up to ``largest`` (default: the
+    drafter's trained block size)."""
+    if block_size != AUTO:
+        return Fixed(block_size)
+    positions = drafter.config.block_size - 1
+    key = pair_key(target, drafter, greedy) if history else None
+    hist = load_history(key, positions) if key else None
+    start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(positions)
+    chosen = Adaptive(costs or cost_model(target, drafter), largest or positions + 1, start,
+                      seeded=hist is not None)
+    chosen.history_key = key
+    return chosen
+
+
+def remember(chosen):
+    """Save an adaptive request's acceptance into its pair's history."""
+    if getattr(chosen, "history_key", None):
+        save_history(chosen.history_key, chosen.acceptance)

@@ -1,0 +1,47 @@
+"""The drafter's context: K/V rows made from the target features of committed tokens.
+
+Features wait until the next draft and go in as one batch, so a run of plain decode steps
+(block size 1) feeds the drafter once when drafting resumes.  ``window`` bounds how many
+of the latest rows a draft reads (a long-context cap on the drafter's cost); the rows keep
+their absolute positions.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+FLUSH_ROWS = 256  # pending rows that are fed at once even without a draft (bounds memory)
+
+
+class WindowCache(KVCache):
+    """A KVCache whose readers see only the last ``window`` rows."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+
+    def keys_and_values(self):
+        k, v = super().keys_and_values()
+        return k[..., -self.window:, :], v[..., -self.window:, :]
+
+
+class DraftContext:
+    def __init__(self, drafter, window: Optional[int] = None):
+        self.drafter = drafter
+        self.cache = [WindowCache(window) for _ in drafter.layers] if window else drafter.make_cache()
+        self.pending, self.rows = [], 0
+
+    def add(self, features: mx.array):
+        """Features [1, n, taps * H] of tokens just committed."""
+        self.pending.append(features)
+        self.rows += features.shape[1]
+        if self.rows >= FLUSH_ROWS:
+            mx.eval([c.state for c in self.fed()])
+
+    def fed(self) -> list:
+        """The draft cache with every committed token in it."""
+        if self.pending:
+            self.drafter.append_context(mx.concatenate(self.pending, axis=1), self.cache)
+            self.pending, self.rows = [], 0
+        return self.cache

@@ -1,0 +1,321 @@
+"""Adaptive speculation: the choice, the cost model and its cache, and that a block size
+changing between cycles keeps the output lossless (greedy parity, caches equal a fresh
+prefill, sampled tokens distributed as the target's), with fallback to plain decoding and
+recovery."""
+
+import json
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash2_mlx as d
+from dflash2_mlx import adaptive
+from dflash2_mlx.adaptive import Acceptance, Adaptive, CostModel, best_block, expected_tokens
+from dflash2_mlx.generate import stats_line
+from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.speculative import speculative_generate_step
+from dflash2_mlx.target import attach
+from test_sampling import chi2_pvalue, exact_joint
+from test_speculative import _cache_arrays, plain_tokens
+from tiny_models import make_drafter, make_target
+
+# A CPU-like machine: each extra verified row costs 10% of a decode step, a draft 20%.
+CPU = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
+# A GPU-like one: verifying 8 rows costs what 1 does, drafting 5%.
+GPU = CostModel({1: (1.0, 0.0), 8: (1.0, 0.0)}, {2: (0.05, 0.0), 8: (0.05, 0.0)})
+
+
+class Scripted:
+    """A policy that walks a fixed list of block sizes (then repeats it)."""
+
+    fallback = False
+
+    def __init__(self, sizes):
+        self.sizes, self.i, self.largest = list(sizes), 0, max(sizes)
+
+    def block_size(self, context):
+        b = self.sizes[self.i % len(self.sizes)]
+        self.i += 1
+        return b
+
+    def record(self, b, accepted):
+        pass
+
+
+SCRIPT = [1, 3, 1, 5, 2, 8, 1, 1, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    out = {}
+    for fam in ("qwen3", "qwen3_5"):
+        make_target(root / fam, fam, alphabet="abcd", seed=3)
+        for seed in range(10, 60):  # a random drafter that is right now and then
+            make_drafter(root / f"{fam}-d", root / fam, version=2, seed=seed)
+            out[fam] = model, tok, drafter = d.load(str(root / fam), str(root / f"{fam}-d"))
+            _, stats = run(model, drafter, tok.encode("abcab dcba"), 16, 4)
+            if 0 < stats.total_accepted < 3 * stats.cycles:
+                break
+    return out
+
+
+def run(model, drafter, prompt, n, block_size, params=SamplingParams(), **kw):
+    steps = speculative_generate_step(mx.array(prompt), attach(model, drafter), drafter,
+                                      max_tokens=n, block_size=block_size, params=params, **kw)
+    tokens, stats = [], None
+    for t, _, _, stats in steps:
+        tokens.append(t)
+    return tokens, stats
+
+
+# --- the choice -----------------------------------------------------------------------------
+
+def test_expected_tokens_and_best_block():
+    assert expected_tokens([0.5, 0.5], 1) == 1.0
+    assert expected_tokens([0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25)
+    assert best_block([0.95] * 7, GPU, 0, 8) == 8  # drafts are nearly free: draft all
+    assert best_block([0.05] * 7, CPU, 0, 8) == 1  # a drafter never right: plain decoding
+    assert 1 < best_block([0.7] * 7, CPU, 0, 8) < 8  # in between: a middle block
+    # A cost that grows with context on the target only makes drafting more worth it.
+    long = CostModel({1: (1.0, 1e-3), 8: (1.7, 1e-3)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
+    assert best_block([0.5] * 7, long, 4000, 8) >= best_block([0.5] * 7, long, 0, 8)
+
+
+def test_cost_interpolates_between_measured_block_sizes():
+    assert CPU.cycle(1, 0) == 1.0
+    assert CPU.cycle(4, 0) == pytest.approx(1.0 + 0.3 + 0.2)
+    assert CostModel.from_json(json.loads(json.dumps(CPU.to_json()))).cycle(5, 10) == CPU.cycle(5, 10)
+
+
+def test_acceptance_rates_follow_the_request():
+    acc = Acceptance.empty(4)
+    assert acc.rates() == [0.5] * 4
+    for _ in range(30):
+        acc.record(5, 4)
+    assert min(acc.rates()) > 0.9
+    for _ in range(30):
+        acc.record(5, 0)
+    rates = acc.rates()
+    assert rates[0] < 0.3  # recent rejections outweigh older acceptances
+    assert Acceptance.empty(3).scaled(4.0).rates() == [0.5] * 3
+
+
+def test_policy_falls_back_and_probes_with_backoff():
+    policy = Adaptive(CPU, 8, Acceptance.empty(7))
+    sizes = []
+    for _ in range(200):
+        b = policy.block_size(0)
+        policy.record(b, 0)  # never accepted
+        sizes.append(b)
+    assert sizes[0] > 1 and sizes[-1] == 1 and policy.fallback
+    probes = [i for i, b in enumerate(sizes) if b > 1 and i > 5]
+    gaps = np.diff(probes)
+    assert len(probes) >= 3 and all(g2 >= g1 for g1, g2 in zip(gaps, gaps[1:]))  # backing off
+    assert gaps[-1] <= adaptive.PROBE_MAX + 1
+    for _ in range(80):  # the drafter becomes right: probes see it, drafting resumes
+        b = policy.block_size(0)
+        policy.record(b, b - 1)
+    assert not policy.fallback and policy.block_size(0) == 8
+
+
+# --- losslessness with the block size changing --------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_block_size_changing_keeps_greedy_parity(pair, family):
+    model, tok, drafter = pair[family]
+    prompt = tok.encode("abcab dcba")
+    ref = plain_tokens(model, prompt, 40)
+    out, stats = run(model, drafter, prompt, 40, Scripted(SCRIPT))
+    assert out == ref
+    assert set(stats.block_sizes) == set(SCRIPT) and stats.total_accepted > 0
+    for costs in (CPU, GPU):
+        out, stats = run(model, drafter, prompt, 40, Adaptive(costs, 8, Acceptance.empty(7)))
+        assert out == ref
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_caches_equal_fresh_prefill_with_changing_block_size(pair, family, temp):
+    """After every cycle the target cache equals a fresh prefill of the committed tokens,
+    and so does the draft context once fed (including rows held back by plain steps)."""
+    model, tok, drafter = pair[family]
+    target = attach(model, drafter)
+    prompt = tok.encode("dcba abcd")
+    cache = target.make_cache()
+    mx.random.seed(7)
+    steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=30,
+                                      block_size=Scripted(SCRIPT), params=SamplingParams(temp=temp),
+                                      prompt_cache=cache)
+    tokens, seen, checks = [], 0, []
+    for t, _, _, stats in steps:
+        if stats.cycles != seen:
+            seen = stats.cycles
+            checks.append((len(tokens), stats.accepted, _cache_arrays(cache)))
+        tokens.append(t)
+    assert len(checks) >= 8
+    for n_before, accepted, state in checks:
+        fresh = target.make_cache()
+        target(mx.array([prompt + tokens[: n_before + accepted]]), fresh)
+        for a, b in zip(state, _cache_arrays(fresh)):
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_draft_context_fed_late_equals_fed_every_step(pair):
+    from dflash2_mlx.draft_context import DraftContext
+
+    model, tok, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    ids = mx.array([tok.encode("abcd dcba abca")])
+    _, features = target(ids, target.make_cache())
+    late, early = DraftContext(drafter), drafter.make_cache()
+    for i in range(features.shape[1]):
+        late.add(features[:, i : i + 1])
+        drafter.append_context(features[:, i : i + 1], early)
+    for a, b in zip(_cache_arrays(late.fed()), _cache_arrays(early)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    window = DraftContext(drafter, window=4)
+    window.add(features)
+    k, _ = window.fed()[0].keys_and_values()
+    assert k.shape[2] == 4 and window.fed()[0].offset == features.shape[1]
+
+
+def test_draft_window_keeps_parity(pair):
+    model, tok, drafter = pair["qwen3"]
+    prompt = tok.encode("abcab dcba abcab")
+    ref = plain_tokens(model, prompt, 24)
+    for window in (1, 3):
+        out, _ = run(model, drafter, prompt, 24, 4, draft_window=window)
+        assert out == ref
+
+
+def _agreeing_pair(tmp_path):
+    """A target whose greedy token never changes and a drafter that proposes another
+    token (every draft rejected) until its final norm's sign is flipped (every draft
+    accepted): see test_speculative.test_always_accepted_and_always_rejected."""
+    make_target(tmp_path / "t", "qwen3", alphabet="abcdefgh")
+    make_drafter(tmp_path / "d", tmp_path / "t", version=2)
+    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight.at[:, 0].add(1000.0)
+    only0 = mx.zeros((model.args.hidden_size,)).at[0].add(1.0)
+    model.model.norm.weight = only0
+    drafter.norm.weight = -only0
+    return model, tok, drafter, only0
+
+
+def test_fallback_to_plain_and_recovery(tmp_path):
+    model, tok, drafter, only0 = _agreeing_pair(tmp_path)
+    prompt = tok.encode("abc")
+    ref = plain_tokens(model, prompt, 300)
+    policy = Adaptive(CPU, 8, Acceptance.empty(7))
+    steps = speculative_generate_step(mx.array(prompt), attach(model, drafter), drafter,
+                                      max_tokens=300, block_size=policy)
+    tokens, phases = [], {}
+    for t, _, _, stats in steps:
+        tokens.append(t)
+        if len(tokens) == 100:  # rejected all along: decoding plain by now
+            phases["rejected"] = (dict(stats.block_sizes), stats.fallback, stats.total_accepted)
+            drafter.norm.weight = only0  # from here on every draft is right
+            before = dict(stats.block_sizes)
+    assert tokens == ref
+    hist, fallback, accepted = phases["rejected"]
+    assert fallback and accepted == 0 and hist[1] > 80  # mostly plain steps...
+    assert sum(n for b, n in hist.items() if b > 1) >= 3  # ...after drafting, and probes
+    assert not stats.fallback  # recovered: drafting again
+    later = {b: n - before.get(b, 0) for b, n in stats.block_sizes.items()}
+    assert later.get(8, 0) > 10 and stats.total_accepted > 100  # with the largest block
+
+
+def test_stream_generate_reports_block_sizes(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    adaptive._costs.clear()
+    model, tok, drafter = pair["qwen3"]
+    ref = plain_tokens(model, tok.encode("abc dab"), 16)
+    rs = list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16))
+    assert [r.token for r in rs] == ref[: len(rs)]
+    last = rs[-1]
+    assert sum(last.block_sizes.values()) == last.cycles and isinstance(last.fallback, bool)
+    assert "blocks " in stats_line(last)
+    capped = list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16,
+                                    verify_mode="adaptive", block_size=3))
+    assert [r.token for r in capped] == [r.token for r in rs] and max(capped[-1].block_sizes) <= 3
+    fixed = list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16, block_size=4))
+    assert set(fixed[-1].block_sizes) == {4}
+    assert list((tmp_path / "adaptive").glob("acceptance-*.json"))  # history kept for next time
+
+
+# --- the cost model: calibration and its cache -------------------------------------------------
+
+def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    adaptive._costs.clear()
+    model, tok, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    costs = adaptive.cost_model(target, drafter)
+    files = list((tmp_path / "adaptive").glob("costs-*.json"))
+    assert len(files) == 1
+    assert set(costs.target) == {1, 2, 8} and set(costs.drafter) == {2, 8}
+    short = adaptive.CONTEXTS[0]
+    assert all(costs.cycle(b, short) <= costs.cycle(b + 1, short) for b in range(1, 8))  # never cheaper
+    assert all(s >= 0 for _, s in list(costs.target.values()) + list(costs.drafter.values()))
+    assert adaptive.cost_model(target, drafter) is costs  # in memory: nothing measured again
+    adaptive._costs.clear()
+    assert adaptive.cost_model(target, drafter).created == costs.created  # from disk
+    stale = json.loads(files[0].read_text())
+    stale["created"] = time.time() - adaptive.STALE_AFTER_S - 1
+    files[0].write_text(json.dumps(stale))
+    adaptive._costs.clear()
+    assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again
+    other = pair["qwen3_5"]
+    assert adaptive.cost_key(attach(other[0], other[2]), other[2]) != adaptive.cost_key(target, drafter)
+
+
+def test_history_seeds_the_next_request(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    model, tok, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    key = adaptive.pair_key(target, drafter, greedy=True)
+    assert key != adaptive.pair_key(target, drafter, greedy=False)
+    seen = Acceptance.empty(7)
+    for _ in range(20):
+        seen.record(8, 0)
+    adaptive.save_history(key, seen)
+    chosen = adaptive.policy(target, drafter, greedy=True, costs=CPU)
+    assert chosen.acceptance.rates()[0] < 0.2 and chosen.block_size(0) == 1 and chosen.fallback
+    assert chosen.wait > 0  # a pair known to be weak here waits before its first probe
+    assert adaptive.policy(target, drafter, greedy=True, costs=CPU, history=False).block_size(0) > 1
+
+
+# --- sampling stays exact -------------------------------------------------------------------------
+
+N = 1200
+
+
+@pytest.mark.parametrize("version,kw", [(1, dict(temp=1.0)), (2, dict(temp=0.8, top_p=0.9))])
+def test_sampled_tokens_follow_target_distribution_under_adaptive(tmp_path, version, kw):
+    """The chi-square test of test_sampling, with the adaptive policy choosing each
+    cycle's block size from the acceptance of the cycles before (so it varies with the
+    random outcomes): the first three tokens must still follow the target exactly."""
+    make_target(tmp_path / "t", "qwen3", alphabet="ab", seed=5, scale=1.5)
+    make_drafter(tmp_path / "d", tmp_path / "t", version=version, seed=20 + version, block_size=4)
+    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
+    prompt = tok.encode("ab")
+    target = attach(model, drafter)
+    costs = CostModel({1: (1.0, 0.0), 4: (1.6, 0.0)}, {2: (0.3, 0.0), 4: (0.3, 0.0)})
+    counts, sizes = {}, {}
+    for seed in range(N):
+        mx.random.seed(seed)
+        steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=3,
+                                          params=SamplingParams(**kw),
+                                          block_size=Adaptive(costs, 4, Acceptance.empty(3)))
+        toks = []
+        for t, _, _, st in steps:
+            toks.append(t)
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+        for b, n in st.block_sizes.items():
+            sizes[b] = sizes.get(b, 0) + n
+    assert len(sizes) >= 2 and sizes.get(1, 0) > 0  # drafted cycles, then plain steps
+    p = chi2_pvalue(counts, exact_joint(model, prompt, 3, **kw), N)
+    assert p > 1e-3, f"sampled tokens do not follow the target distribution (p = {p:.2e})"
