@@ -2,7 +2,9 @@
 
 For every sampled prompt and temperature the methods run back to back in one process
 (so a busy machine slows them alike): plain ``mlx_lm.stream_generate``, then each
-drafter through ``dflash2_mlx.stream_generate``.  Per method and temperature the report
+drafter through ``dflash2_mlx.stream_generate`` at a fixed block size, then the last
+drafter (DFlash 2) again with adaptive speculation (block size "auto"; its histogram of
+chosen block sizes is in the report).  Per method and temperature the report
 has tau (accepted draft tokens + the bonus token, per cycle), generation tok/s (tokens
 after the first over the time after the first, as mlx-lm counts them), the speed-up over
 plain decoding at the same temperature, and the per-position acceptance rate.  At T=0
@@ -25,6 +27,7 @@ import numpy as np
 from .evaluate import plot_acceptance
 
 PLAIN = "plain"
+FIXED_BLOCK = 5  # the fixed-block rows' block size unless given
 
 
 def sample_prompts(paths: Sequence, samples: int, seed: int = 0) -> Dict[str, list]:
@@ -54,7 +57,7 @@ def run_plain(model, tokenizer, ids: List[int], temp: float, max_tokens: int, se
 
 
 def run_dflash(model, tokenizer, drafter, ids: List[int], temp: float, max_tokens: int,
-               block_size: Optional[int], seed: int) -> dict:
+               block_size, seed: int) -> dict:
     """One DFlash run through the public ``stream_generate``: tokens, timing, draft stats."""
     from .generate import stream_generate
 
@@ -64,7 +67,8 @@ def run_dflash(model, tokenizer, drafter, ids: List[int], temp: float, max_token
         tokens.append(int(last.token))
     out = _run(tokens, last)
     out.update(cycles=last.cycles if last else 0,
-               acceptance_counts=list(last.acceptance_counts) if last else [])
+               acceptance_counts=list(last.acceptance_counts) if last else [],
+               block_sizes=dict(last.block_sizes) if last else {})
     return out
 
 
@@ -102,6 +106,7 @@ class Tally:
     def __init__(self):
         self.tokens, self.seconds, self.cycles, self.runs = 0, 0.0, 0, 0
         self.positions: List[int] = []
+        self.block_sizes: Dict[int, int] = {}
 
     def add(self, run: dict):
         self.runs += 1
@@ -113,10 +118,13 @@ class Tally:
             self.positions += [0] * (len(counts) - len(self.positions))
         for i, c in enumerate(counts):
             self.positions[i] += c
+        for b, n in run.get("block_sizes", {}).items():
+            self.block_sizes[int(b)] = self.block_sizes.get(int(b), 0) + n
 
     def merge(self, other: "Tally"):
         self.add({"generation_tokens": other.tokens, "seconds": other.seconds,
-                  "cycles": other.cycles, "acceptance_counts": other.positions})
+                  "cycles": other.cycles, "acceptance_counts": other.positions,
+                  "block_sizes": other.block_sizes})
         self.runs += other.runs - 1
 
     def result(self) -> dict:
@@ -124,7 +132,8 @@ class Tally:
                "tokens_per_s": self.tokens / self.seconds if self.seconds else None}
         if self.cycles:
             out.update(cycles=self.cycles, tau=(sum(self.positions) + self.cycles) / self.cycles,
-                       acceptance_by_position=[c / self.cycles for c in self.positions])
+                       acceptance_by_position=[c / self.cycles for c in self.positions],
+                       block_sizes=dict(sorted(self.block_sizes.items())))
         return out
 
 
@@ -140,36 +149,51 @@ def machine() -> dict:
             "ld_preload": os.environ.get("LD_PRELOAD", "")}
 
 
-def warm_up(model, tokenizer, drafters: Dict[str, object], block_size: Optional[int]):
-    """One short run per method, so compilation and allocation are not timed."""
+def warm_up(model, tokenizer, runs: Dict[str, tuple]):
+    """One short run per method, so compilation, allocation and the adaptive row's cost
+    calibration (once per pair and machine, then cached) are not timed."""
     ids = tokenizer.encode("Hello")
     run_plain(model, tokenizer, ids, 0.0, 4, 0)
-    for d in drafters.values():
+    for d, block_size in runs.values():
         run_dflash(model, tokenizer, d, ids, 0.0, 4, block_size, 0)
+
+
+def dflash_runs(drafters: Dict[str, object], block_size: Optional[int], adaptive: bool) -> Dict[str, tuple]:
+    """{method: (drafter, block size)}: each drafter at the fixed block size, and the last
+    one (DFlash 2) with block size "auto" as "<label> adaptive"."""
+    fixed = block_size or FIXED_BLOCK
+    runs = {k: (d, min(fixed, d.config.block_size)) for k, d in drafters.items()}
+    if adaptive and drafters:
+        label = list(drafters)[-1]
+        runs[f"{label} adaptive"] = (drafters[label], "auto")
+    return runs
 
 
 def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, list], *,
               temps: Sequence[float] = (0.0, 1.0), max_tokens: int = 64,
-              block_size: Optional[int] = None, seed: int = 0,
+              block_size: Optional[int] = None, adaptive: bool = True, seed: int = 0,
               log: Optional[Callable[[str], None]] = None) -> dict:
     """Run plain decoding and every drafter on every prompt at every temperature.
 
-    ``drafters``: {label: Drafter}.  Returns the report dict (see ``write_report``)."""
+    ``drafters``: {label: Drafter}, run at ``block_size`` (default 5), the last also
+    adaptively unless ``adaptive`` is False.  Returns the report dict (see ``write_report``)."""
     from .train.data import encode
 
     say = log or (lambda s: None)
-    methods = [PLAIN, *drafters]
+    runs = dflash_runs(drafters, block_size, adaptive)
+    methods = [PLAIN, *runs]
     temp_keys = [f"T={t:g}" for t in temps]
     report = {
-        "config": {"temps": list(temps), "max_tokens": max_tokens, "block_size": block_size,
-                   "seed": seed, "benches": {b: len(p) for b, p in benches.items()},
+        "config": {"temps": list(temps), "max_tokens": max_tokens,
+                   "block_size": block_size or FIXED_BLOCK, "adaptive": adaptive, "seed": seed, "benches": {b: len(p) for b, p in benches.items()},
                    "drafters": {k: {"version": d.version, "trained_block_size": d.config.block_size,
                                     "layers": d.config.num_hidden_layers}
                                 for k, d in drafters.items()}},
         "machine": machine(), "methods": methods, "results": {}, "mismatches": [],
         "t0_checked": 0,
     }
-    warm_up(model, tokenizer, drafters, block_size)
+    warm_up(model, tokenizer, runs)
+    report["config"]["adaptive_costs"] = _costs(model, runs)
     tallies = {b: {t: {m: Tally() for m in methods} for t in temp_keys} for b in benches}
     tic = time.perf_counter()
     for bench, prompts in benches.items():
@@ -180,9 +204,8 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
                 plain = run_plain(model, tokenizer, ids, temp, max_tokens, run_seed)
                 tallies[bench][tk][PLAIN].add(plain)
                 line = [f"plain {_rate(plain)}"]
-                for name, drafter in drafters.items():
-                    run = run_dflash(model, tokenizer, drafter, ids, temp, max_tokens,
-                                     block_size, run_seed)
+                for name, (drafter, bs) in runs.items():
+                    run = run_dflash(model, tokenizer, drafter, ids, temp, max_tokens, bs, run_seed)
                     tallies[bench][tk][name].add(run)
                     tau = (sum(run["acceptance_counts"]) + run["cycles"]) / max(run["cycles"], 1)
                     line.append(f"{name} {_rate(run)} tau {tau:.2f}")
@@ -215,6 +238,15 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
     return report
 
 
+def _costs(model, runs) -> Optional[dict]:
+    """The adaptive row's cost model (measured in the warm-up, or cached before)."""
+    from . import adaptive
+    from .target import attach
+
+    auto = [d for d, bs in runs.values() if bs == "auto"]
+    return adaptive.cost_model(attach(model, auto[0]), auto[0]).to_json() if auto else None
+
+
 def _rate(run: dict) -> str:
     tps = run["generation_tokens"] / run["seconds"] if run["seconds"] else 0.0
     return f"{tps:.1f} tok/s"
@@ -236,9 +268,10 @@ def markdown(report: dict) -> str:
     elif report["t0_checked"]:
         lines += [f"T=0 parity: all {report['t0_checked']} DFlash outputs are identical to plain "
                   "decoding, token for token.", ""]
-    bs = cfg["block_size"] if cfg["block_size"] is not None else "default (min(5, trained))"
+    bs = f"fixed block size {cfg['block_size']}" + (
+        "; the adaptive row chooses every cycle (block size auto)" if cfg.get("adaptive") else "")
     lines += [f"{n} prompts ({', '.join(f'{b} {k}' for b, k in cfg['benches'].items())}), "
-              f"max {cfg['max_tokens']} tokens, block size {bs}, seed {cfg['seed']}.", "",
+              f"max {cfg['max_tokens']} tokens, {bs}, seed {cfg['seed']}.", "",
               "## Overall", "",
               "| method | " + " | ".join(f"τ {t} | tok/s {t} | speed-up {t}" for t in temps) + " |",
               "|---|" + "---|" * (3 * len(temps))]
@@ -271,6 +304,20 @@ def markdown(report: dict) -> str:
         for p in range(T):
             lines.append(f"| {p + 1} | " + " | ".join(
                 _fmt(cols[m][p], ".3f") if p < len(cols[m]) else "" for m in drafted) + " |")
+    chosen = [(m, t, overall[t][m]["block_sizes"]) for m in drafted for t in temps
+              if m.endswith("adaptive") and overall[t][m].get("block_sizes")]
+    if chosen:
+        lines += ["", "## Block sizes chosen by the adaptive row (cycles; 1 = plain decode step)", "",
+                  "| method | temperature | block sizes |", "|---|---|---|"]
+        for m, t, hist in chosen:
+            lines.append(f"| {m} | {t} | " + ", ".join(f"{b}: {c}" for b, c in hist.items()) + " |")
+        costs = cfg.get("adaptive_costs")
+        if costs:
+            lines += ["", f"Cost model: target pass (ms at context 0, +ms per 1k tokens) "
+                      + ", ".join(f"{b} rows {1e3 * v[0]:.1f} +{1e6 * v[1]:.1f}" for b, v in costs["target"].items())
+                      + "; drafter step " + ", ".join(f"block {b} {1e3 * v[0]:.1f} +{1e6 * v[1]:.1f}"
+                                                     for b, v in costs["drafter"].items())
+                      + f"; calibrated in {costs['calibration_s']:.2f} s (cached per pair and machine)."]
     if report["mismatches"]:
         lines += ["", "## T=0 mismatches", "",
                   "| benchmark | prompt | method | first differing token | plain | method |",

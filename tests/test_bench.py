@@ -52,8 +52,8 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
     logs = []
     report = Bm.run_bench(model, tok, drafters, benches, temps=(0.0, 1.0), max_tokens=12,
                           block_size=4, log=logs.append)
-    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2"]
-    assert report["mismatches"] == [] and report["t0_checked"] == 2 * 3
+    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2", "DFlash 2 adaptive"]
+    assert report["mismatches"] == [] and report["t0_checked"] == 3 * 3
     assert set(report["results"]) == {"alpha", "beta", "overall"}
     for per_temp in report["results"].values():
         assert set(per_temp) == {"T=0", "T=1"}
@@ -70,6 +70,9 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
                 assert all(x >= y for x, y in zip(acc, acc[1:]))
                 assert r["tau"] == pytest.approx(1 + sum(acc))
                 assert r["tokens_per_s"] > 0 and r["speedup"] > 0
+                assert r["block_sizes"] == {4: r["cycles"]}
+            auto = res["DFlash 2 adaptive"]
+            assert sum(auto["block_sizes"].values()) == auto["cycles"] and max(auto["block_sizes"]) <= 5
     overall = report["results"]["overall"]["T=0"]["plain"]
     assert overall["runs"] == 3 and overall["tokens"] == sum(
         report["results"][b]["T=0"]["plain"]["tokens"] for b in ("alpha", "beta"))
@@ -77,7 +80,8 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
     assert [p.name for p in paths] == ["bench.json", "bench.md", "speed.png", "acceptance.png"]
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "bench.md").read_text()
-    assert "T=0 parity: all 6 DFlash outputs are identical" in md and "MISMATCH" not in md
+    assert "T=0 parity: all 9 DFlash outputs are identical" in md and "MISMATCH" not in md
+    assert "Block sizes chosen by the adaptive row" in md and "calibrated in" in md
     assert json.loads((tmp_path / "bench.json").read_text())["methods"] == report["methods"]
 
 
@@ -94,7 +98,7 @@ def test_mismatch_is_detected_and_reported_loudly(tiny, monkeypatch):
     monkeypatch.setattr(Bm, "run_dflash", corrupted)
     logs = []
     report = Bm.run_bench(model, tok, drafters, {"alpha": ["the cat sat on"]}, temps=(0.0,),
-                          max_tokens=10, log=logs.append)
+                          max_tokens=10, adaptive=False, log=logs.append)
     (bad,) = report["mismatches"]
     assert bad["method"] == "DFlash 2" and bad["position"] == 3 and bad["bench"] == "alpha"
     assert bad["plain_token"] != bad["method_token"]
@@ -118,7 +122,8 @@ def test_cli_bench_writes_report_and_exit_code(tiny, tmp_path):
             "--temp", "0", "--out", str(out)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert "| DFlash 2 |" in res.output and "v1 column is skipped" in res.output
+    assert "| DFlash 2 |" in res.output and "| DFlash 2 adaptive |" in res.output
+    assert "v1 column is skipped" in res.output
     assert (out / "bench.md").is_file() and (out / "speed.png").is_file()
     res = CliRunner().invoke(app, ["bench", "--model", str(root / "target"), "--out", str(out)])
     assert res.exit_code != 0
@@ -152,5 +157,6 @@ def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-out" / "bench.json").read_text())
     assert report["config"]["benches"] == {b: 1 for b in Bm.BENCH_FILES}
-    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2"] and report["mismatches"] == []
-    assert "T=0 parity: all 10 DFlash outputs are identical" in r.stdout
+    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2", "DFlash 2 adaptive"]
+    assert report["mismatches"] == []
+    assert "T=0 parity: all 15 DFlash outputs are identical" in r.stdout
