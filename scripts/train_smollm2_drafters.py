@@ -23,7 +23,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-SHAPE = dict(num_layers=1, block_size=8, selector_rank=32, selector_top_k=16)
+# Two layers, trained block 8, rank-32 selector; the taps end at the target's last layer
+# (its output carries the most about the next tokens); 8192-token draft vocabulary.
+SHAPE = dict(num_layers=2, block_size=8, selector_rank=32, selector_top_k=16,
+             target_layer_ids=[1, 8, 15, 22, 29])
+DRAFT_VOCAB = 8192
 
 
 def _target():
@@ -39,7 +43,7 @@ def _layer_ids(model):
     from dflash2_mlx.train.init import new_drafter_config
 
     return new_drafter_config(model, mask_token_id=0, **{k: v for k, v in SHAPE.items()
-                                                          if k in ("num_layers", "block_size")}).target_layer_ids
+                                                          if k in ("num_layers", "block_size", "target_layer_ids")}).target_layer_ids
 
 
 def features(args):
@@ -57,7 +61,7 @@ def features(args):
         chunk = order[b : b + args.batch]
         feats = target_features(target, [seqs[i] for i in chunk])
         for j, i in enumerate(chunk):
-            out[f"features.{i}"] = feats[j, : len(seqs[i])]
+            out[f"features.{i}"] = feats[j, : len(seqs[i])].astype(mx.float16)  # halves memory
             out[f"tokens.{i}"] = mx.array(seqs[i], dtype=mx.int32)
         print(f"features {b + len(chunk)}/{len(seqs)} ({time.perf_counter() - tic:.0f} s)", flush=True)
     mx.save_safetensors(args.features, out, metadata={"target_layer_ids": json.dumps(ids),
@@ -79,26 +83,30 @@ def use_feature_file(path):
     def cached(target, seqs, pad_id=0):
         rows = [table[tuple(s)] for s in seqs]  # a KeyError means another dataset / max_len
         L = max(r.shape[0] for r in rows)
-        return mx.stack([mx.pad(r, [(0, L - r.shape[0]), (0, 0)]) for r in rows])
+        return mx.stack([mx.pad(r, [(0, L - r.shape[0]), (0, 0)]) for r in rows]).astype(mx.float32)
 
     trainer.target_features = cached
     return len(table)
 
 
-def initial_drafter(model, tokenizer, version: int, seed: int, path: Path) -> Path:
+def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
+                    draft_vocab: int = DRAFT_VOCAB) -> Path:
     """A new drafter sized from the target (``SHAPE``) whose final norm weight starts as
     the target's final norm weight times 0.1.  Its states feed the target's LM head; with
     mlx's unit norm weights the first logits are huge (CE ~65 on SmolLM2, ~90 with the
-    target's own norm weights), with the scaled ones CE starts at ~15 (uniform: 10.8)."""
+    target's own norm weights), with the scaled ones CE starts at ~15 (uniform: 10.8).
+    Its draft vocabulary: the ``draft_vocab`` tokens most frequent in the training data."""
     from dflash2_mlx.loading import save_drafter
-    from dflash2_mlx.target import text_model
-    from dflash2_mlx.train.init import default_mask_token_id, new_drafter, new_drafter_config
-    from dflash2_mlx.target import model_args
+    from dflash2_mlx.target import model_args, text_model
+    from dflash2_mlx.train.data import read_dataset
+    from dflash2_mlx.train.init import (default_mask_token_id, frequent_tokens, new_drafter,
+                                        new_drafter_config)
 
-    cfg = new_drafter_config(model, version=version,
-                             mask_token_id=default_mask_token_id(tokenizer, model_args(model).vocab_size),
-                             **SHAPE)
-    drafter = new_drafter(cfg, seed)
+    V = model_args(model).vocab_size
+    cfg = new_drafter_config(model, version=version, mask_token_id=default_mask_token_id(tokenizer, V),
+                             draft_vocab_size=draft_vocab or None, **SHAPE)
+    vocab = frequent_tokens(read_dataset(data), draft_vocab, V) if draft_vocab else None
+    drafter = new_drafter(cfg, seed, draft_vocab=vocab)
     drafter.norm.weight = 0.1 * text_model(model).model.norm.weight
     save_drafter(drafter, path)
     return path
@@ -111,9 +119,11 @@ def train(args):
     print(f"{n} cached feature sequences", flush=True)
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=0.04, batch_size=args.batch_size,
                       max_anchors=args.max_anchors, max_len=args.max_len, seed=args.seed,
-                      save_every=args.save_every, keep=1, log_every=1)
+                      save_every=args.save_every, keep=1, log_every=1,
+                      min_block_size=args.min_block_size)
     target, model, tokenizer = _target()
-    init = args.init or initial_drafter(model, tokenizer, args.version, args.seed, Path(f"{args.out}-init"))
+    init = args.init or initial_drafter(model, tokenizer, args.version, args.seed,
+                                        Path(f"{args.out}-init"), args.data, args.draft_vocab)
     final = train_drafter(target, args.out, args.data, init=str(init), version=args.version,
                           config=cfg, **SHAPE)
     print(f"drafter: {final}")
@@ -189,6 +199,32 @@ def check(args):
               + f" oracle tau@16 {r['tau_oracle']:.3f} ({r['blocks']} blocks)", flush=True)
 
 
+def baselines(args):
+    """Count-based bigram / trigram next-token accuracy on held-out responses: what a
+    drafter's position-1 top-1 should beat (it also sees the target's hidden states)."""
+    from collections import Counter, defaultdict
+
+    from dflash2_mlx.train.data import read_dataset
+
+    records = read_dataset(args.data)
+    held = max(1, len(records) // 10)
+    train, test = records[:-held], records[-held:]
+    for n in (2, 3):
+        table = defaultdict(Counter)
+        for r in train:
+            ids = r["prompt_ids"] + r["response_ids"]
+            for i in range(n - 1, len(ids)):
+                table[tuple(ids[i - n + 1 : i])][ids[i]] += 1
+        right = total = 0
+        for r in test:
+            ids, start = r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])
+            for i in range(max(start, n - 1), len(ids)):
+                seen = table.get(tuple(ids[i - n + 1 : i]))
+                right += bool(seen) and seen.most_common(1)[0][0] == ids[i]
+                total += 1
+        print(f"{'bi' if n == 2 else 'tri'}gram top-1 on {held} held-out responses: {right / total:.3f} ({total} tokens)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -209,6 +245,10 @@ def main():
     t.add_argument("--max-len", type=int, default=512)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=10)
+    t.add_argument("--min-block-size", type=int, default=3,
+                   help="Blocks train as served at a random size in [this, trained size].")
+    t.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
+                   help="Draft vocabulary size (most frequent data tokens); 0: the whole vocabulary.")
     t.add_argument("--init", default=None, help="Continue from this drafter checkpoint (a second phase) "
                    "instead of a new drafter.")
     s = sub.add_parser("ship")
@@ -225,8 +265,11 @@ def main():
     c.add_argument("--limit", type=int, default=8)
     c.add_argument("--block-size", type=int, default=5)
     c.add_argument("--max-len", type=int, default=512)
+    b = sub.add_parser("baselines")
+    b.add_argument("data")
     args = ap.parse_args()
-    {"features": features, "train": train, "ship": ship, "check": check}[args.cmd](args)
+    {"features": features, "train": train, "ship": ship, "check": check,
+     "baselines": baselines}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,27 @@ def test_block_forward_equals_inference_forward(tiny, name):
     assert blocks.block_ids[2].tolist() == [SEQ[0][11]] + [drafter.config.mask_token_id] * 5
 
 
+@pytest.mark.parametrize("name", ["v1", "v2"])
+def test_shorter_served_blocks_equal_inference_at_that_size(tiny, name):
+    """A block trained as served at size b (``lengths``) has the hidden states of a
+    b-row inference block at its first b rows, and scores only labels 1..b-1."""
+    root, model = tiny
+    drafter, target = bound(root, model, name)
+    seq, anchors, lengths = [0, 0, 1], [3, 9, 4], [2, 4, 6]
+    L = max(len(s) for s in SEQ)
+    _, feats = target(mx.array([s + [0] * (L - len(s)) for s in SEQ]), None)
+    blocks = O.make_blocks(SEQ, feats, np.array(seq), np.array(anchors), drafter.config.block_size,
+                           drafter.config.mask_token_id, np.array(lengths))
+    hidden = O.block_forward(drafter, blocks)
+    for n, (s, a, b) in enumerate(zip(seq, anchors, lengths)):
+        _, f = target(mx.array([SEQ[s]]), None)
+        cache = drafter.make_cache()
+        drafter.append_context(f[:, :a], cache)
+        want = drafter(blocks.block_ids[n : n + 1, :b], cache)[0]
+        np.testing.assert_allclose(np.array(hidden[n, :b]), np.array(want), atol=2e-5, rtol=1e-5)
+        assert blocks.valid[n].tolist() == [1.0] * (b - 1) + [0.0] * (6 - b)
+
+
 def test_loss_matches_hand_computation(tiny):
     root, model = tiny
     drafter, target = bound(root, model, "v2")

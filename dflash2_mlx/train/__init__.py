@@ -44,11 +44,14 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
                   target_layer_ids: Optional[Sequence[int]] = None,
                   mask_token_id: Optional[int] = None, selector_rank: int = 256,
                   selector_top_k: int = 16, intermediate_size: Optional[int] = None,
+                  draft_vocab: int = 0,
                   gen_max_tokens: int = 256, gen_temp: float = 0.0, gen_batch_size: int = 8,
                   prompt_limit: Optional[int] = None, config: TrainConfig = TrainConfig(),
                   resume: bool = True, log: Optional[Callable[[str], None]] = print):
     """Regenerate data (when ``prompts`` is given), build or load the drafter, train.
 
+    ``draft_vocab`` > 0: a new drafter drafts over the tokens most frequent in
+    the data (see ``Drafter.draft_vocab``).
     ``init``: a drafter checkpoint to start from (a v1 checkpoint with ``version=2`` is
     warm-started as DFlash 2); without it a new drafter is sized from the target.  An
     existing checkpoint under ``out_dir`` is resumed.  Returns ``out_dir / "final"``."""
@@ -58,7 +61,8 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
     from ..target import model_args
     from . import data as data_mod
     from . import trainer
-    from .init import default_mask_token_id, new_drafter, new_drafter_config, warm_start_v2
+    from .init import (default_mask_token_id, frequent_tokens, new_drafter, new_drafter_config,
+                       warm_start_v2)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -88,8 +92,10 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
                                  block_size=block_size, mask_token_id=mask_token_id,
                                  target_layer_ids=target_layer_ids,
                                  intermediate_size=intermediate_size,
-                                 selector_rank=selector_rank, selector_top_k=selector_top_k)
-        drafter = new_drafter(cfg, config.seed)
+                                 selector_rank=selector_rank, selector_top_k=selector_top_k,
+                                 draft_vocab_size=draft_vocab or None)
+        vocab = frequent_tokens(records, draft_vocab, cfg.vocab_size) if draft_vocab else None
+        drafter = new_drafter(cfg, config.seed, draft_vocab=vocab)
     if drafter is not None:
         validate_pair(model, drafter)
     log_file = open(out_dir / "log.jsonl", "a")

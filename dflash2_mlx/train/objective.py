@@ -55,7 +55,8 @@ class Blocks:
     seq: mx.array  # [N] which sequence each block comes from
     anchors: mx.array  # [N] absolute anchor positions
     labels: mx.array  # [N, B-1] true tokens at anchor+1..anchor+B-1
-    valid: mx.array  # [N, B-1] 1.0 where the label lies inside the sequence
+    valid: mx.array  # [N, B-1] 1.0 where the label lies inside the sequence (and the block)
+    lengths: Optional[mx.array] = None  # [N] served block size of each block (None: B)
 
 
 def sample_anchors(rng: np.random.Generator, starts: Sequence[int], lengths: Sequence[int],
@@ -79,8 +80,12 @@ def sample_anchors(rng: np.random.Generator, starts: Sequence[int], lengths: Seq
 
 
 def make_blocks(tokens: List[List[int]], features: mx.array, seq: np.ndarray,
-                anchors: np.ndarray, block_size: int, mask_token_id: int) -> Blocks:
-    """Block ids, labels and validity for anchors ``anchors`` of sequences ``seq``."""
+                anchors: np.ndarray, block_size: int, mask_token_id: int,
+                lengths: Optional[np.ndarray] = None) -> Blocks:
+    """Block ids, labels and validity for anchors ``anchors`` of sequences ``seq``.
+
+    ``lengths`` [N]: train block n as if served at block size ``lengths[n]`` (its rows
+    past that are neither seen nor scored), so one drafter fits every runtime size."""
     N, T = len(anchors), block_size - 1
     labels = np.zeros((N, T), np.int64)
     valid = np.zeros((N, T), np.float32)
@@ -91,16 +96,20 @@ def make_blocks(tokens: List[List[int]], features: mx.array, seq: np.ndarray,
         got = ids[a + 1 : a + block_size]
         labels[n, : len(got)] = got
         valid[n, : len(got)] = 1.0
+    if lengths is not None:
+        valid *= np.arange(1, block_size)[None, :] < np.asarray(lengths)[:, None]
     block = np.full((N, block_size), mask_token_id, np.int64)
     block[:, 0] = first
     return Blocks(features, mx.array(block), mx.array(seq), mx.array(anchors),
-                  mx.array(labels), mx.array(valid))
+                  mx.array(labels), mx.array(valid),
+                  None if lengths is None else mx.array(lengths))
 
 
 def attention_mask(anchors: mx.array, ctx_len: int, block_size: int, causal: bool,
-                   window: Optional[int] = None) -> mx.array:
+                   window: Optional[int] = None, lengths: Optional[mx.array] = None) -> mx.array:
     """Boolean [N, 1, B, ctx_len + B]: context rows j < anchor (the last ``window - 1`` of
-    them on sliding layers), the own block (lower-triangular when causal)."""
+    them on sliding layers), the own block (lower-triangular when causal; its first
+    ``lengths[n]`` rows only when given)."""
     j = mx.arange(ctx_len)[None, :]
     a = anchors[:, None]
     ctx = j < a
@@ -112,6 +121,8 @@ def attention_mask(anchors: mx.array, ctx_len: int, block_size: int, causal: boo
     if causal:
         inner = mx.tril(inner)
     inner = mx.broadcast_to(inner, (N, block_size, block_size))
+    if lengths is not None:
+        inner = inner & (mx.arange(block_size)[None, None, :] < lengths[:, None, None])
     return mx.concatenate([ctx, inner], axis=-1)[:, None]
 
 
@@ -150,7 +161,7 @@ def block_forward(drafter, blocks: Blocks) -> mx.array:
     for layer in drafter.layers:
         key = (layer.causal, layer.window if layer.sliding else None)
         if key not in masks:
-            masks[key] = attention_mask(offsets, L, B, *key)
+            masks[key] = attention_mask(offsets, L, B, *key, lengths=blocks.lengths)
         k, v = layer.self_attn.keys_values(ctx, 0)  # [S, kv, L, hd]
         k, v = k[blocks.seq], v[blocks.seq]
         h = layer_forward(layer, h, k, v, offsets, masks[key])
@@ -206,7 +217,8 @@ def loss(drafter, blocks: Blocks, selector_weight: float = 1.0):
     wsum = mx.maximum(w.sum(), 1e-9)
     ce = (_ce(logits, mx.maximum(column, 0)) * w).sum() / wsum
     right = (mx.argmax(logits, axis=-1) == column) * blocks.valid
-    metrics = {"ce": ce, "top1": right.sum() / mx.maximum(blocks.valid.sum(), 1.0)}
+    metrics = {"ce": ce, "top1": right.sum() / mx.maximum(blocks.valid.sum(), 1.0),
+               "top1_pos1": right[:, 0].sum() / mx.maximum(blocks.valid[:, 0].sum(), 1.0)}
     total = ce
     if drafter.version == 2:
         cand, rows = selector_rows(drafter, logits, hidden, blocks.labels, blocks.block_ids[:, 0])

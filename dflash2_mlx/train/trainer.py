@@ -45,6 +45,7 @@ class TrainConfig:
     max_anchors: int = 64  # per sequence ("up to 512" in the recipe; CPU-sized here)
     max_len: int = 1024  # tokens per sequence
     selector_weight: float = 1.0
+    min_block_size: int = 0  # > 0: each block trains as served at a size in [this, block_size]
     seed: int = 0
     save_every: int = 0  # 0: only the final checkpoint
     keep: int = 2  # periodic checkpoints kept
@@ -104,7 +105,10 @@ def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig, c
     seq, anchors = objective.sample_anchors(rng, [st for _, _, st in seqs], [len(t) for t in tokens],
                                             cfg.max_anchors)
     c = drafter.config
-    return objective.make_blocks(tokens, feats, seq, anchors, c.block_size, c.mask_token_id)
+    lengths = None
+    if cfg.min_block_size:
+        lengths = rng.integers(min(cfg.min_block_size, c.block_size), c.block_size + 1, size=len(anchors))
+    return objective.make_blocks(tokens, feats, seq, anchors, c.block_size, c.mask_token_id, lengths)
 
 
 def save_checkpoint(drafter: Drafter, optimizer, state: TrainState, cfg: TrainConfig, path):
