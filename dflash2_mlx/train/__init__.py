@@ -80,7 +80,7 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
     if resume and latest_checkpoint(out_dir) is not None:
         say(f"resuming from {latest_checkpoint(out_dir)}")
     elif init is not None:
-        drafter = load_drafter(init)
+        drafter = load_drafter(init, target=model)
         if drafter.version == 1 and version == 2:
             drafter = warm_start_v2(drafter, selector_rank=selector_rank,
                                     selector_top_k=selector_top_k, seed=config.seed)
