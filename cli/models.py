@@ -28,13 +28,32 @@ def _fail(e: Exception):
     raise typer.Exit(2)
 
 
+def _effective(model_id: str, raw: dict):
+    """A model's settings as `serve` runs it (the built-in model comes with its drafter)."""
+    from dflash2_mlx.backend.settings import ModelSettings
+
+    from .serve import BUILTIN_ID, builtin_settings
+
+    return ModelSettings.from_dict({**raw, **(builtin_settings() if model_id == BUILTIN_ID else {})}, model_id)
+
+
+def _engine_text(engine: dict) -> str:
+    if not engine["dflash"]:
+        return "plain\t-\t-"
+    block = engine["block_size"]
+    return f"dflash\t{engine['drafter']}\t" + ("block auto" if block == "auto" else f"block {block}")
+
+
 @models_app.command("list")
 def list_models(
     model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="Also list the model directories here."),
     settings: Optional[Path] = SETTINGS_OPTION,
 ):
-    """Models with settings (and those found in --model-dir): id, DFlash on/off, drafter."""
+    """Models with settings, those found in --model-dir and the built-in one, as `serve` runs
+    them: id, dflash or plain, drafter, block size (a number, or auto: chosen every cycle)."""
     from dflash2_mlx.backend.settings import SettingsError
+
+    from .serve import BUILTIN_ID
 
     store = _store(settings)
     try:
@@ -44,22 +63,31 @@ def list_models(
     ids = list(entries)
     if model_dir is not None and model_dir.is_dir():
         ids += sorted(p.name for p in model_dir.iterdir() if (p / "config.json").is_file() and p.name not in entries)
+    ids += [BUILTIN_ID] if BUILTIN_ID not in ids else []
     for model_id in ids:
-        raw = entries.get(model_id, {})
-        state = "dflash" if raw.get("dflash_enabled") and raw.get("dflash_draft_model") else "plain"
-        typer.echo(f"{model_id}\t{state}\t{raw.get('dflash_draft_model') or '-'}")
+        try:
+            engine = _engine_text(_effective(model_id, entries.get(model_id) or {}).engine())
+        except SettingsError as e:
+            engine = f"invalid\t{e}"
+        typer.echo(f"{model_id}\t{engine}")
 
 
 @models_app.command("show")
 def show(model_id: str = typer.Argument(..., help="Model id."), settings: Optional[Path] = SETTINGS_OPTION):
-    """Print one model's settings as JSON."""
+    """Print one model's settings as JSON, and under "engine" how `serve` decodes it."""
     from dflash2_mlx.backend.settings import SettingsError
 
+    from .serve import BUILTIN_ID
+
     try:
-        raw = _store(settings).raw(model_id)
+        entries = _store(settings).read()["models"]
+        if model_id not in entries and model_id != BUILTIN_ID:
+            _fail(ValueError(f"no settings for model {model_id!r} (known: {', '.join(entries) or 'none'})"))
+        raw = entries.get(model_id) or {}
+        engine = _effective(model_id, raw).engine()
     except SettingsError as e:
         _fail(e)
-    typer.echo(json.dumps(raw, indent=2))
+    typer.echo(json.dumps({**raw, "engine": engine}, indent=2))
 
 
 def _parse_value(text: str):
@@ -86,8 +114,11 @@ def set_(
             _fail(ValueError(f"expected KEY=VALUE, got {pair!r}"))
         key, _, value = pair.partition("=")
         changes[key.strip()] = _parse_value(value)
+    store = _store(settings)
     try:
-        result = _store(settings).update(model_id, changes)
+        # Checked against the drafter's config before anything is written.
+        _effective(model_id, {**store.raw(model_id), **changes}).check_drafter()
+        result = store.update(model_id, changes)
     except SettingsError as e:
         _fail(e)
     typer.echo(json.dumps(result.to_dict(), indent=2))

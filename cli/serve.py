@@ -1,9 +1,20 @@
 """``dflash2-mlx serve``: the OpenAI-compatible server."""
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+
+BUILTIN_ID = "SmolLM2-135M-Instruct"
+API_KEY_ENV = "DFLASH2_MLX_API_KEY"
+
+
+def builtin_settings() -> dict:
+    """The settings `serve` with no model gives the built-in model: its shipped drafter."""
+    from dflash2_mlx.defaults import drafter_path
+
+    return {"dflash_enabled": True, "dflash_draft_model": str(drafter_path())}
 
 
 def register(app: typer.Typer):
@@ -26,12 +37,14 @@ def serve(
     queue_size: int = typer.Option(8, "--queue-size", help="Requests that may wait per model; one more gets 503."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Default max_tokens when a request and the settings give none."),
     preload: bool = typer.Option(False, "--preload/--lazy", help="Load the --model models at start instead of on the first request."),
+    prefix_cache_gb: float = typer.Option(1.0, "--prefix-cache-gb", help="Per model: most GB of prompt caches kept for reuse by later requests that share a prefix (0: off). A model's prefix_cache_gb setting overrides it."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, help="Require Authorization: Bearer KEY on every route but /health (also from $DFLASH2_MLX_API_KEY)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ):
     """Serve models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     from dflash2_mlx.backend.pool import EnginePool
     from dflash2_mlx.backend.server import serve as run
-    from dflash2_mlx.backend.settings import SettingsStore
+    from dflash2_mlx.backend.settings import SettingsError, SettingsStore
 
     models = {}
     for spec in model:
@@ -42,14 +55,25 @@ def serve(
         from dflash2_mlx.defaults import default_pair
 
         target, default_draft = default_pair()
-        models = {"SmolLM2-135M-Instruct": target}
+        models = {BUILTIN_ID: target}
         draft = draft or default_draft
     if draft is not None and len(models) != 1:
         raise typer.BadParameter("--draft needs exactly one --model")
+    if prefix_cache_gb < 0:
+        raise typer.BadParameter("--prefix-cache-gb must be >= 0")
     overrides = {m: {"dflash_enabled": True, "dflash_draft_model": draft} for m in models} if draft else {}
     pool = EnginePool(SettingsStore(settings), model_dir=model_dir, models=models, overrides=overrides,
                       max_models=max(max_models, 1), memory_budget_gb=memory_budget,
-                      max_queue=queue_size, default_max_tokens=max_tokens)
+                      max_queue=queue_size, default_max_tokens=max_tokens,
+                      prefix_cache_gb=prefix_cache_gb)
+    try:  # a settings problem is one line now, not a traceback from the first load
+        pool.store.read()
+        for model_id in models if preload else ():
+            pool.settings_of(model_id).check_drafter(pool.path_of(model_id))
+    except (SettingsError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
     typer.echo(f"dflash2-mlx: serving {', '.join(pool.model_ids()) or '(no models yet)'} "
                f"at http://{host}:{port}/v1 (settings: {pool.store.path})", err=True)
-    run(pool, host=host, port=port, preload=list(models) if preload else (), log_level=log_level)
+    run(pool, host=host, port=port, preload=list(models) if preload else (), log_level=log_level,
+        api_key=api_key or None)

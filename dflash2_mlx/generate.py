@@ -104,14 +104,17 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     logits_processors: Optional[List[Callable]] = None,
                     block_size: Union[int, str, None] = adaptive.AUTO, verify_mode: str = "dflash",
                     seed: Optional[int] = None, prefill_step_size: int = 2048,
-                    draft_window: Optional[int] = None):
+                    draft_window: Optional[int] = None, prompt_cache: Optional[list] = None,
+                    draft_context=None, cached_tokens: int = 0):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
     ``block_size`` ("auto": chosen every cycle, see ``adaptive.py``; a number fixes it);
     ``verify_mode="adaptive"`` is "auto" with a number as the largest block;
     ``verify_mode="off"`` (or no drafter) is plain autoregressive decoding.
-    ``draft_window``: how many of the latest context rows a draft reads (None: all)."""
+    ``draft_window``: how many of the latest context rows a draft reads (None: all).
+    A reused prefix (the server's prefix cache): ``prompt_cache`` (and with DFlash
+    ``draft_context``) already hold the first ``cached_tokens`` prompt tokens."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if max_tokens == 0 or max_tokens < -1:
@@ -139,11 +142,12 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             ids, target, drafter, max_tokens=limit, params=params,
             logits_processors=logits_processors, block_size=policy,
             prefill_step_size=prefill_step_size, draft_window=draft_window,
+            prompt_cache=prompt_cache, context=draft_context, cached_tokens=cached_tokens,
         )
     else:
         sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, top_k=top_k)
-        plain = generate_step(ids, model, max_tokens=max_tokens, sampler=sampler,
-                              logits_processors=logits_processors,
+        plain = generate_step(ids[cached_tokens:], model, max_tokens=max_tokens, sampler=sampler,
+                              logits_processors=logits_processors, prompt_cache=prompt_cache,
                               prefill_step_size=prefill_step_size)
         tokens = ((int(t), lp, False, None) for t, lp in plain)
 

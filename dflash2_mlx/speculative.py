@@ -74,17 +74,20 @@ def speculative_generate_step(
     prefill_step_size: int = 2048,
     prompt_cache: Optional[list] = None,
     draft_window: Optional[int] = None,
+    context: Optional[DraftContext] = None,
+    cached_tokens: int = 0,
 ) -> Iterator:
     """``block_size``: a number, "auto", or a policy (``adaptive.policy``); ``draft_window``:
-    how many of the latest context rows a draft reads (None: all)."""
+    how many of the latest context rows a draft reads (None: all). A reused prefix: the first
+    ``cached_tokens`` of the prompt are already in ``prompt_cache`` and ``context``."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
     policy = block_size if hasattr(block_size, "record") else adaptive.policy(
         target, drafter, block_size, params.greedy)
-    context = DraftContext(drafter, draft_window)
+    context = DraftContext(drafter, draft_window) if context is None else context
     stats = CycleStats(policy.largest)
     mask = drafter.config.mask_token_id
 
-    logits, features = prefill(target, prompt, cache, prefill_step_size)
+    logits, features = prefill(target, prompt[cached_tokens:], cache, prefill_step_size)
     context.add(features)
     history = prompt
     logprobs = processed_logprobs(logits, prompt[:-1], prompt[-1:], logits_processors)

@@ -4,19 +4,25 @@ drives: ``start``/``stop``, ``generate``/``stream_generate``, ``chat``/``stream_
 
 Every MLX call runs on the backend's one worker thread (``worker.py``); the event loop only
 tokenizes and moves text. Requests run one at a time, first come first served, with at most
-``max_queue`` waiting; one more is refused at once with QueueFull.
+``max_queue`` waiting; one more is refused with QueueFull when its stream is made, before any
+chunk (a request holds its place in the queue from then on). A prefix cache
+(``prefix_cache.py``) lets a request start from the caches of an earlier one that shares
+its first tokens.
 """
 
 import asyncio
 import collections
 import gc
 import itertools
+import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Sequence
 
+from .prefix_cache import PrefixCache
 from .settings import ModelSettings
 from .stats import EngineStats
 from .stops import StopMatcher
@@ -30,6 +36,14 @@ class EngineError(RuntimeError):
 
 class QueueFull(EngineError):
     """Too many requests are waiting for this model."""
+
+
+class InvalidOption(ValueError):
+    """A request option this model cannot honour; ``param`` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLong(ValueError):
@@ -54,6 +68,8 @@ class Chunk:
     generation_tps: float = 0.0
     block_sizes: Dict[int, int] = field(default_factory=dict)  # cycles per block size
     fallback: bool = False  # adaptive speculation is decoding plain for now
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    engine: dict = field(default_factory=dict)  # how this request is decoded (ModelSettings.engine)
 
 
 @dataclass
@@ -70,6 +86,8 @@ class Completion:
     request_id: str = ""
     block_sizes: Dict[int, int] = field(default_factory=dict)
     fallback: bool = False
+    cached_tokens: int = 0
+    engine: dict = field(default_factory=dict)
 
 
 class _Turns:
@@ -80,22 +98,25 @@ class _Turns:
         self.busy = False
         self.waiters = collections.deque()
 
-    async def enter(self):
+    def reserve(self) -> asyncio.Future:
+        """A place in line, taken now: a future that is done when it is this request's turn.
+        Raises QueueFull when ``max_waiting`` are waiting already."""
+        turn = asyncio.get_running_loop().create_future()
         if not self.busy and not self.waiters:
             self.busy = True
-            return
-        if len(self.waiters) >= self.max_waiting:
+            turn.set_result(None)
+        elif len(self.waiters) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiters)} requests are already waiting for this model")
-        turn = asyncio.get_running_loop().create_future()
-        self.waiters.append(turn)
-        try:
-            await turn
-        except asyncio.CancelledError:
-            if turn in self.waiters:
-                self.waiters.remove(turn)
-            elif turn.done() and not turn.cancelled():
-                self.leave()  # the turn came as we were cancelled: pass it on
-            raise
+        else:
+            self.waiters.append(turn)
+        return turn
+
+    def cancel(self, turn: asyncio.Future):
+        """Give up a place: leave the line, or pass the turn on if it had come."""
+        if turn in self.waiters:
+            self.waiters.remove(turn)
+        elif turn.done() and not turn.cancelled():
+            self.leave()
 
     def leave(self):
         while self.waiters:
@@ -117,9 +138,13 @@ class _Request:
         self.tools = tools
         self.aborted = threading.Event()
         self.finished = False
+        self.started = False  # its stream has been iterated
+        self.turn: Optional[asyncio.Future] = None
+        self.queued = False
         self.chunks: Optional[asyncio.Queue] = None
 
 
+log = logging.getLogger("dflash2_mlx.engine")
 _DONE = object()
 _ids = itertools.count(1)
 
@@ -131,7 +156,8 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
 class Engine:
     def __init__(self, model_path, settings: Optional[ModelSettings] = None, *,
                  draft: Optional[str] = None, model_id: Optional[str] = None,
-                 max_queue: int = 8, default_max_tokens: int = 512, worker=None):
+                 max_queue: int = 8, default_max_tokens: int = 512, worker=None,
+                 prefix_cache_gb: float = 1.0):
         self.model_path = str(model_path)
         self.settings = settings or ModelSettings()
         if draft is not None:
@@ -148,6 +174,8 @@ class Engine:
         self._requests = {}
         self._jobs = set()
         self._stats = EngineStats()
+        gb = _first(self.settings.prefix_cache_gb, prefix_cache_gb)
+        self.prefix_cache = PrefixCache(int(gb * 1e9))
         self._stopping = False
         self.last_used = time.monotonic()
 
@@ -187,6 +215,7 @@ class Engine:
         import mlx.core as mx
 
         self._model = self._drafter = None
+        self.prefix_cache.clear()
         gc.collect()
         mx.clear_cache()
 
@@ -204,7 +233,8 @@ class Engine:
     def get_stats(self) -> dict:
         stats = self._stats.snapshot()
         stats.update(model=self.model_id, loaded=self._model is not None,
-                     drafter=self.settings.draft, max_queue=self.max_queue)
+                     drafter=self.settings.draft, max_queue=self.max_queue,
+                     engine=self.settings.engine(), **self.prefix_cache.stats())
         return stats
 
     def encode(self, prompt) -> List[int]:
@@ -263,31 +293,57 @@ class Engine:
             raise ValueError("the prompt is empty")
         if self.context_window and len(ids) > self.context_window:
             raise PromptTooLong(len(ids), self.context_window)
+        if self.context_window and (params.get("max_tokens") or 0) > self.context_window:
+            raise InvalidOption("max_tokens", f"max_tokens {params['max_tokens']} is beyond this "
+                                f"model's context window of {self.context_window} tokens")
         self._check_running()
-        if self._turns.busy and len(self._turns.waiters) >= self.max_queue:
-            self._stats.move(rejected=1)
-            raise QueueFull(f"{self.max_queue} requests are already waiting for model {self.model_id}")
         request = _Request(request_id or f"req-{next(_ids)}", ids, params, tools)
-        return self._serve(request)
-
-    async def _serve(self, request: _Request) -> AsyncIterator[Chunk]:
-        self._check_running()
         if request.id in self._requests:
             raise EngineError(f"request id {request.id} is already in use")
+        if _in_event_loop():  # else (a stream made outside the loop) on its first step
+            self._admit(request)
+        chunks = self._serve(request)
+        weakref.finalize(chunks, self._drop_unstarted, request)
+        return chunks
+
+    def _admit(self, request: _Request):
+        """Take the request's place in line, or refuse it with QueueFull."""
+        try:
+            request.turn = self._turns.reserve()
+        except QueueFull:
+            self._stats.move(rejected=1)
+            raise QueueFull(f"{self.max_queue} requests are already waiting for model {self.model_id}") from None
+        request.queued = not request.turn.done()
+        self._stats.move(queued=int(request.queued))
+        self._requests[request.id] = request
+
+    def _unqueue(self, request: _Request):
+        if request.queued:
+            request.queued = False
+            self._stats.move(queued=-1)
+
+    def _release(self, request: _Request):
+        """Free the place of a request that never reached the worker."""
+        self._unqueue(request)
+        self._requests.pop(request.id, None)
+        if request.turn is not None:
+            self._turns.cancel(request.turn)
+
+    def _drop_unstarted(self, request: _Request):
+        """A stream dropped before it was iterated (its response never started)."""
+        if not request.started:
+            self._release(request)
+
+    async def _serve(self, request: _Request) -> AsyncIterator[Chunk]:
+        request.started = True
         loop = asyncio.get_running_loop()
         request.chunks = asyncio.Queue()
-        self._requests[request.id] = request
-        self._stats.move(queued=1)
-        queued = True
         job = None
         try:
-            try:
-                await self._turns.enter()
-            except QueueFull:
-                self._stats.move(rejected=1)
-                raise
-            self._stats.move(queued=-1)
-            queued = False
+            if request.turn is None:
+                self._admit(request)
+            await request.turn
+            self._unqueue(request)
             self._check_running()
             self.last_used = time.monotonic()
 
@@ -307,12 +363,8 @@ class Engine:
                 yield item
         finally:
             request.aborted.set()  # a consumer that stops early stops the generation
-            if queued:
-                self._stats.move(queued=-1)
             if job is None:  # never reached the worker
-                self._requests.pop(request.id, None)
-                if not queued:
-                    self._turns.leave()
+                self._release(request)
 
     def _finished(self, request: _Request, job):
         """Free the request's turn: when its consumer sees the end, or (if the consumer
@@ -341,6 +393,8 @@ class Engine:
             push(_DONE)
             return
         mode = s.verify_mode(n_prompt)
+        engine = s.engine(n_prompt)
+        drafting = mode != "off" and self._drafter is not None
         penalties = {k: p.get(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                      if p.get(k)}
         if p.get("logit_bias"):
@@ -350,8 +404,13 @@ class Engine:
         matcher, tools = StopMatcher(stop), ToolCallSplitter(self.tokenizer, request.tools)
         temp = _first(p.get("temperature"), s.temperature, 0.0)
         last, finish, n, made_calls = None, None, 0, False
-        gen = None
+        gen = start = None
+        emitted = []
         try:
+            # Plain decoding shows its penalties only the uncached tokens: no reuse with them.
+            reuse = drafting or not set(penalties) - {"logit_bias"}
+            start = self.prefix_cache.start(request.ids, self._model, self._drafter if drafting else None,
+                                            s.dflash_draft_window or None, reuse=reuse)
             gen = stream_generate(
                 self._model, self.tokenizer, request.ids, self._drafter,
                 max_tokens=_first(p.get("max_tokens"), s.max_tokens, self.default_max_tokens),
@@ -359,10 +418,15 @@ class Engine:
                 top_k=_first(p.get("top_k"), s.top_k, 0), min_p=_first(p.get("min_p"), s.min_p, 0.0),
                 logits_processors=make_logits_processors(**penalties) if penalties else None,
                 block_size=s.dflash_block_size, verify_mode=mode, seed=p.get("seed"),
-                draft_window=s.dflash_draft_window or None)
+                draft_window=s.dflash_draft_window or None, prompt_cache=start.cache,
+                draft_context=start.context, cached_tokens=start.tokens)
             for last in gen:
                 n = last.generation_tokens
-                text, hit = matcher.add(last.text)
+                emitted.append(last.token)
+                segment = last.text
+                if last.finish_reason == "length":  # a character cut by max_tokens is left out
+                    segment = segment.rstrip("\ufffd")
+                text, hit = matcher.add(segment)
                 if hit:
                     finish = "stop"
                 elif last.finish_reason:
@@ -378,13 +442,14 @@ class Engine:
                     finish = "tool_calls"
                 if content or calls or finish:
                     push(Chunk(content, finish, n_prompt, n, calls, last.tau, last.cycles,
-                               last.generation_tps, last.block_sizes, last.fallback))
+                               last.generation_tps, last.block_sizes, last.fallback,
+                               start.reused, engine))
                 if finish:
                     break
                 yield
                 if request.aborted.is_set():
                     finish = "abort"
-                    push(Chunk("", "abort", n_prompt, n))
+                    push(Chunk("", "abort", n_prompt, n, cached_tokens=start.reused, engine=engine))
                     break
         except Exception as e:
             finish = "error"
@@ -392,6 +457,11 @@ class Engine:
         finally:
             if gen is not None:
                 gen.close()
+            if start is not None and finish != "error":
+                try:
+                    self.prefix_cache.store(request.ids + emitted, start)
+                except Exception:  # a cache that cannot keep this request must not fail it
+                    log.exception("prefix cache: could not store the request's caches")
             self._stats.move(active=-1)
             if last is not None:
                 self._stats.add(
@@ -417,6 +487,14 @@ def _call_soon(loop, fn, *args):
             pass
 
 
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
 def _first(*values):
     return next(v for v in values if v is not None)
 
@@ -438,4 +516,5 @@ async def _collect(chunks: AsyncIterator[Chunk]) -> Completion:
         calls += last.tool_calls
     return Completion(text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
                       calls, last.tau, last.cycles, last.generation_tps,
-                      block_sizes=last.block_sizes, fallback=last.fallback)
+                      block_sizes=last.block_sizes, fallback=last.fallback,
+                      cached_tokens=last.cached_tokens, engine=last.engine)

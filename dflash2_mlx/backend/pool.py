@@ -4,16 +4,21 @@ within a memory budget); the least recently used idle one is stopped to make roo
 Model ids are the sub-directories of ``model_dir`` that hold a config.json (oMLX's layout)
 plus any ``models`` given explicitly as ``{id: path}``. Settings come from the store on every
 load, so a model manager edits ``model_settings.json`` and the next load follows it; an idle
-engine whose settings changed is reloaded on its next request.
+engine whose settings changed is reloaded on its next request, after its drafter settings
+are checked against the drafter's config (a bad value leaves the loaded engine as it is). A
+settings file that cannot be read leaves the last good settings in force (``problem``).
 """
 
 import asyncio
 import collections
+import logging
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from .engine import Engine
-from .settings import ModelSettings, SettingsStore
+from .settings import ModelSettings, SettingsError, SettingsStore
+
+log = logging.getLogger("dflash2_mlx.pool")
 
 
 class UnknownModel(KeyError):
@@ -39,7 +44,7 @@ class EnginePool:
     def __init__(self, store: Optional[SettingsStore] = None, *, model_dir=None,
                  models: Optional[Dict[str, str]] = None, overrides: Optional[Dict[str, dict]] = None,
                  max_models: int = 1, memory_budget_gb: Optional[float] = None,
-                 max_queue: int = 8, default_max_tokens: int = 512):
+                 max_queue: int = 8, default_max_tokens: int = 512, prefix_cache_gb: float = 1.0):
         self.store = store or SettingsStore()
         self.model_dir = Path(model_dir).expanduser() if model_dir else None
         self.models = dict(models or {})
@@ -48,6 +53,9 @@ class EnginePool:
         self.memory_budget = memory_budget_gb * 1e9 if memory_budget_gb else None
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
+        self.prefix_cache_gb = prefix_cache_gb
+        self.problem: Optional[str] = None  # why the settings file is not being followed
+        self._last_good: Dict[str, dict] = {}
         self.engines: "collections.OrderedDict[str, Engine]" = collections.OrderedDict()
         self._lock = asyncio.Lock()
 
@@ -68,9 +76,30 @@ class EnginePool:
                 return str(path)
         raise UnknownModel(model_id)
 
+    def _entries(self) -> Dict[str, dict]:
+        """The settings file's models, or the last good ones while the file is unreadable."""
+        try:
+            self._last_good = self.store.read()["models"]
+        except SettingsError as e:
+            if self.problem != str(e):
+                log.error("settings: %s; serving with the last good settings", e)
+            self.problem = str(e)
+            return self._last_good
+        if self.problem:
+            log.info("settings: %s is readable again", self.store.path)
+        self.problem = None
+        return self._last_good
+
+    def settings_problem(self) -> Optional[str]:
+        """Why the settings file is not followed now (None when it is)."""
+        self._entries()
+        return self.problem
+
     def settings_of(self, model_id: str) -> ModelSettings:
-        raw = self.store.raw(model_id)
-        raw.update(self.overrides.get(model_id, {}))
+        raw = self._entries().get(model_id) or {}
+        if not isinstance(raw, dict):
+            raise SettingsError(f"settings of {model_id} must be a JSON object")
+        raw = {**raw, **self.overrides.get(model_id, {})}
         return ModelSettings.from_dict(raw, model_id)
 
     # Engines ----------------------------------------------------------------------------
@@ -85,11 +114,13 @@ class EnginePool:
             engine = self._reuse(model_id, settings)
             if engine is not None:
                 return engine
+            settings.check_drafter(path)
             if model_id in self.engines:
                 await self._unload(model_id)  # load settings changed: reload with the new ones
             await self._make_room(path, settings)
             engine = Engine(path, settings, model_id=model_id, max_queue=self.max_queue,
-                            default_max_tokens=self.default_max_tokens)
+                            default_max_tokens=self.default_max_tokens,
+                            prefix_cache_gb=self.prefix_cache_gb)
             await engine.start()
             self.engines[model_id] = engine
             return engine

@@ -149,14 +149,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(c) -> dict:
+    """OpenAI's usage of a response (a Completion or the last Chunk), with the prompt tokens
+    that came from the prefix cache."""
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
 
 
 def dflash_stats(c) -> dict:
-    """The draft statistics of a response (a Completion or the last Chunk)."""
-    return {"tau": c.tau, "cycles": c.cycles, "block_sizes": c.block_sizes, "fallback": c.fallback}
+    """How a response was decoded (DFlash on/off, drafter, block size) and its draft statistics."""
+    return {**c.engine, "tau": c.tau, "cycles": c.cycles, "block_sizes": c.block_sizes,
+            "fallback": c.fallback}
 
 
 def chat_response(rid, model, completion) -> dict:
@@ -167,7 +171,7 @@ def chat_response(rid, model, completion) -> dict:
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason,
                      "logprobs": None}],
-        "usage": usage(completion.prompt_tokens, completion.completion_tokens),
+        "usage": usage(completion),
         "dflash": dflash_stats(completion),
     }
 
@@ -182,7 +186,7 @@ def completion_response(rid, model, completion) -> dict:
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
                      "logprobs": None}],
-        "usage": usage(completion.prompt_tokens, completion.completion_tokens),
+        "usage": usage(completion),
         "dflash": dflash_stats(completion),
     }
 
@@ -195,4 +199,4 @@ def completion_chunk(rid, model, created, text: str, finish_reason=None) -> dict
 def usage_chunk(rid, model, created, obj: str, last) -> dict:
     """The closing usage chunk of a stream, from its last Chunk."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(last.prompt_tokens, last.completion_tokens), "dflash": dflash_stats(last)}
+            "usage": usage(last), "dflash": dflash_stats(last)}

@@ -4,14 +4,18 @@
 one JSON body), ``GET /health``, ``GET /metrics`` (engine stats). Each model serves one request
 at a time; a full queue answers 503 at once. Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects stops its
-generation.
+generation. Request bodies are JSON: a body sent with another Content-Type (text/plain, a
+form) gets 415; no Content-Type at all is read as JSON. With an API key (``api_key``) every
+route but ``/health`` needs ``Authorization: Bearer KEY``; otherwise 401.
 """
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import EngineError, PromptTooLong, QueueFull
+from .engine import EngineError, InvalidOption, PromptTooLong, QueueFull
 from .pool import EnginePool, PoolBusy, UnknownModel
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
                        completion_chunk, completion_response, error_body, new_id, usage_chunk,
@@ -31,7 +35,7 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 DISCONNECT_POLL_S = 0.25
 
 
-def create_app(pool: EnginePool, preload=()) -> FastAPI:
+def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         for model_id in preload:
@@ -41,6 +45,14 @@ def create_app(pool: EnginePool, preload=()) -> FastAPI:
 
     app = FastAPI(title="dflash2-mlx", lifespan=lifespan)
     app.state.pool = pool
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if api_key and request.url.path != "/health" and not _key_matches(request, api_key):
+            body = error_body("a valid API key is needed: Authorization: Bearer KEY",
+                              "invalid_request_error", code="invalid_api_key")
+            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -63,8 +75,12 @@ def create_app(pool: EnginePool, preload=()) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "loaded_models": list(pool.engines),
-                "active_requests": pool.has_active_requests()}
+        problem = pool.settings_problem()
+        out = {"status": "degraded" if problem else "ok", "loaded_models": list(pool.engines),
+               "active_requests": pool.has_active_requests()}
+        if problem:
+            out["problem"] = f"{problem}; serving with the last good settings"
+        return out
 
     @app.get("/metrics")
     async def metrics():
@@ -72,13 +88,13 @@ def create_app(pool: EnginePool, preload=()) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(m) for m in pool.model_ids()]}
+        return {"object": "list", "data": [_model_card(pool, m) for m in pool.model_ids()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id not in pool.model_ids():
             raise _unknown(model_id)
-        return _model_card(model_id)
+        return _model_card(pool, model_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -110,8 +126,40 @@ def create_app(pool: EnginePool, preload=()) -> FastAPI:
     return app
 
 
-def _model_card(model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "dflash2-mlx"}
+def _model_card(pool: EnginePool, model_id: str) -> dict:
+    """An OpenAI model entry plus ``dflash``: how the model's requests are decoded."""
+    card = {"id": model_id, "object": "model", "created": 0, "owned_by": "dflash2-mlx"}
+    try:
+        card["dflash"] = pool.settings_of(model_id).engine()
+    except SettingsError as e:
+        card["dflash"] = {"error": str(e)}
+    return card
+
+
+def _key_matches(request: Request, key: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def _json_content_type(request: Request) -> bool:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return not kind or kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def _surrogate_path(value, path=()):
+    """The location of the first string with a lone UTF-16 surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _surrogate_path(v, path + (k,))
+        if found is not None:
+            return found
+    return None
 
 
 def _unknown(model_id: str) -> APIError:
@@ -119,6 +167,9 @@ def _unknown(model_id: str) -> APIError:
 
 
 async def _parse(request: Request, schema):
+    if not _json_content_type(request):
+        raise APIError(415, "the request body must be JSON: send it with Content-Type: application/json",
+                       code="unsupported_media_type")
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
     raw = await request.body()
@@ -130,6 +181,11 @@ async def _parse(request: Request, schema):
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    where = _surrogate_path(data)
+    if where is not None:
+        param = ".".join(str(k) for k in where)
+        raise APIError(400, f"invalid value for {param}: text with a lone UTF-16 surrogate "
+                       "(not valid Unicode)", param=str(where[0]))
     try:
         return schema.model_validate(data)
     except ValidationError as e:
@@ -144,7 +200,8 @@ async def _engine(pool: EnginePool, model_id: str):
     except PoolBusy as e:
         raise APIError(503, str(e), type="server_error", code="server_busy") from None
     except SettingsError as e:
-        raise APIError(500, f"the settings of {model_id} are invalid: {e}", type="server_error") from None
+        raise APIError(400, f"the settings of {model_id} cannot be used: {e}", param=e.param,
+                       code="invalid_model_settings") from None
     except (ValueError, OSError) as e:
         raise APIError(500, f"model {model_id} failed to load: {e}", type="server_error") from None
 
@@ -158,6 +215,8 @@ class _mapped_errors:
     def __exit__(self, kind, e, tb):
         if e is None or isinstance(e, APIError):
             return False
+        if isinstance(e, InvalidOption):
+            raise APIError(400, str(e), param=e.param) from None
         if isinstance(e, PromptTooLong):
             raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         if isinstance(e, QueueFull):
@@ -234,8 +293,8 @@ async def _completion_events(rid, body: CompletionRequest, chunks):
 
 
 def serve(pool: EnginePool, host: str = "127.0.0.1", port: int = 8000, preload=(),
-          log_level: str = "info"):
+          log_level: str = "info", api_key: Optional[str] = None):
     """Run the server until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(pool, preload), host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(pool, preload, api_key), host=host, port=port, log_level=log_level)

@@ -28,7 +28,11 @@ FUTURE_VERIFY_MODES = ("ddtree",)  # oMLX's other modes: not implemented here ye
 
 
 class SettingsError(ValueError):
-    """An invalid settings value or an unreadable settings file."""
+    """An invalid settings value or an unreadable settings file; ``param``: the field."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 def _bool(v):
@@ -70,6 +74,7 @@ FIELDS = {
     "top_k": (lambda v: _int(v, lo=0), "an integer >= 0"),
     "min_p": (lambda v: _num(v, lo=0, hi=1), "a number in [0, 1]"),
     "is_pinned": (_bool, "true or false"),
+    "prefix_cache_gb": (lambda v: _num(v, lo=0), "a number >= 0 (GB; 0 turns the prefix cache off)"),
 }
 
 
@@ -82,8 +87,8 @@ def check_value(name: str, value):
         return
     if name == "dflash_verify_mode" and value in FUTURE_VERIFY_MODES:
         raise SettingsError(
-            f"dflash_verify_mode {value!r} is not supported yet; use {expected}")
-    raise SettingsError(f"{name} must be {expected}, got {value!r}")
+            f"dflash_verify_mode {value!r} is not supported yet; use {expected}", name)
+    raise SettingsError(f"{name} must be {expected}, got {value!r}", name)
 
 
 @dataclass
@@ -106,6 +111,7 @@ class ModelSettings:
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     is_pinned: bool = False
+    prefix_cache_gb: Optional[float] = None  # the server's --prefix-cache-gb when unset
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -120,7 +126,7 @@ class ModelSettings:
                 try:
                     check_value(k, v)
                 except SettingsError as e:
-                    raise SettingsError(f"{model_id}: {e}" if model_id else str(e)) from None
+                    raise SettingsError(f"{model_id}: {e}" if model_id else str(e), e.param) from None
                 known[k] = v
             else:
                 extra[k] = v
@@ -165,6 +171,41 @@ class ModelSettings:
         if self.dflash_max_ctx and prompt_tokens > self.dflash_max_ctx:
             return "off"
         return self.dflash_verify_mode or "dflash"
+
+    def engine(self, prompt_tokens: int = 0) -> dict:
+        """How a request of ``prompt_tokens`` is decoded: DFlash on/off, the drafter, the
+        verify mode and the block size (a number, or "auto": chosen every cycle)."""
+        mode = self.verify_mode(prompt_tokens)
+        block = None
+        if mode != "off":
+            fixed = mode == "dflash" and self.dflash_block_size is not None
+            block = self.dflash_block_size if fixed else "auto"
+        return {"dflash": mode != "off", "drafter": self.draft, "verify_mode": mode, "block_size": block}
+
+    def check_drafter(self, model_path=None):
+        """Raise SettingsError (naming the field) when the drafter cannot work as set: a
+        missing or mismatched drafter, a block size beyond its trained one. Config files
+        only; a drafter config that cannot be read otherwise is left to loading."""
+        if self.draft is None:
+            return
+        from ..config import DrafterConfig
+        from .compat import is_compatible, read_json_config
+
+        try:
+            drafter = DrafterConfig.from_dict(read_json_config(self.draft))
+        except FileNotFoundError as e:
+            raise SettingsError(f"dflash_draft_model: {e}", "dflash_draft_model") from None
+        except Exception:
+            return
+        if model_path is not None:
+            ok, reason = is_compatible(model_path, self.draft)
+            if not ok and "cannot read the target" not in reason:
+                raise SettingsError(f"dflash_draft_model {self.draft}: {reason}", "dflash_draft_model")
+        if self.dflash_block_size is not None and self.dflash_block_size > drafter.block_size:
+            raise SettingsError(
+                f"dflash_block_size {self.dflash_block_size} is impossible for the drafter "
+                f"{self.draft}: use 1..{drafter.block_size} (its trained block size), or unset it "
+                "for 'auto'", "dflash_block_size")
 
     def is_compatible(self, model_path) -> tuple:
         """(ok, reason) for this model's drafter against the target at ``model_path``."""
@@ -222,7 +263,7 @@ class SettingsStore:
             try:
                 check_value(k, v)
             except SettingsError as e:
-                raise SettingsError(f"{model_id}: {e}") from None
+                raise SettingsError(f"{model_id}: {e}", e.param) from None
         with self.locked():
             data = self.read()
             entry = {k: v for k, v in data["models"].get(model_id, {}).items() if v is not None}

@@ -1,0 +1,199 @@
+"""A prefix cache across requests: the target's cache (and the drafter's context) of earlier
+requests, reused by a request whose prompt starts the same way.
+
+An entry holds the token ids it covers and copies of the cache arrays for them:
+- attention caches (mlx-lm ``KVCache``) are kept for the whole turn, prompt and reply; a new
+  prompt that shares only part of it trims them to the shared prefix (a slice);
+- recurrent caches (the linear-attention layers of qwen3_5 / qwen3_next) cannot be trimmed, so
+  a hybrid target's entry is a snapshot at its prompt's last-but-one token, usable only by a
+  prompt that starts with all of it;
+- with DFlash, the drafter's context rows (K/V made from target features) for the same tokens.
+A plain request can reuse a DFlash entry's target part; a DFlash request needs the draft rows.
+At least the prompt's last token is always run, so the first token comes from fresh logits.
+
+Entries live in one model's engine, least recently used first out, within ``budget`` bytes.
+Everything here runs on the MLX worker thread.
+"""
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+
+@dataclass
+class Entry:
+    tokens: tuple
+    target: list  # per target layer: (keys, values) or (arrays, lengths)
+    draft: Optional[list]  # per drafter layer: (keys, values); None without DFlash
+    trimmable: bool
+    nbytes: int
+
+
+@dataclass
+class Start:
+    """Where a request begins: its caches (the first ``tokens`` prompt tokens already in them,
+    ``reused`` of those from the cache)."""
+    cache: list
+    context: object  # a DraftContext, or None for plain decoding
+    tokens: int = 0
+    reused: int = 0
+
+
+def reusable(cache) -> bool:
+    """Only plain attention and recurrent caches are understood here (no sliding windows)."""
+    return all(type(c) in (KVCache, ArraysCache) or type(c).__name__ == "MambaCache" for c in cache)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _rows(c: KVCache, n: int):
+    return c.keys[..., :n, :], c.values[..., :n, :]
+
+
+def _load_rows(c: KVCache, rows, n: int):
+    k, v = rows
+    c.state = (k[..., :n, :], v[..., :n, :], n)
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int):
+        self.budget = int(budget_bytes)
+        self.entries: "collections.OrderedDict[int, Entry]" = collections.OrderedDict()
+        self._keys = iter(range(1 << 62))
+        self._lock = threading.Lock()  # stats() is read from the event loop
+        self.hits = self.misses = self.cached_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"prefix_cache_hits": self.hits, "prefix_cache_misses": self.misses,
+                    "prefix_cache_cached_tokens": self.cached_tokens,
+                    "prefix_cache_entries": len(self.entries), "prefix_cache_bytes": self.nbytes,
+                    "prefix_cache_budget_bytes": self.budget}
+
+    # Reuse -----------------------------------------------------------------------------
+    def _best(self, ids: Sequence[int], draft: bool):
+        best, best_n = None, 0
+        for key, e in self.entries.items():
+            if draft and e.draft is None:
+                continue
+            n = min(_common(e.tokens, ids), len(ids) - 1)
+            if not e.trimmable and n < len(e.tokens):
+                continue
+            if n > best_n:
+                best, best_n = key, n
+        return best, best_n
+
+    def start(self, ids: Sequence[int], model, drafter=None, window=None, reuse: bool = True) -> Start:
+        """Caches for a request over ``ids``: restored from the best entry, or fresh. With a
+        ``drafter`` (DFlash) the start has a draft context too. A hybrid target is advanced to
+        the last-but-one prompt token here and stored."""
+        from ..draft_context import DraftContext
+
+        cache = make_prompt_cache(model)
+        context = DraftContext(drafter, window) if drafter is not None else None
+        if not self.enabled or not reusable(cache):
+            return Start(cache, context)
+        key, n = self._best(ids, context is not None) if reuse else (None, 0)
+        with self._lock:
+            self.hits += key is not None
+            self.misses += key is None
+            self.cached_tokens += n
+        if key is not None:
+            with self._lock:
+                self.entries.move_to_end(key)
+            self._restore(self.entries[key], n, cache, context)
+        start = Start(cache, context, n, n)
+        if not all(c.is_trimmable() for c in cache) and start.tokens < len(ids) - 1:
+            self._advance(start, ids[: len(ids) - 1], model)
+            self.store(ids[: len(ids) - 1], start)
+        return start
+
+    @staticmethod
+    def _restore(e: Entry, n: int, cache, context):
+        for c, saved in zip(cache, e.target):
+            if isinstance(c, KVCache):
+                _load_rows(c, saved, n)
+            else:
+                c.state = (list(saved[0]), None, saved[1])
+        if context is not None:
+            for c, rows in zip(context.cache, e.draft):
+                _load_rows(c, rows, n)
+
+    @staticmethod
+    def _advance(start: Start, ids: Sequence[int], model, step: int = 2048):
+        """Run ``ids[start.tokens:]`` into the caches (features to the draft context)."""
+        from ..target import attach
+
+        target = attach(model, start.context.drafter) if start.context is not None else None
+        rest = mx.array(ids[start.tokens:], dtype=mx.uint32)
+        for i in range(0, rest.size, step):
+            chunk = rest[None, i: i + step]
+            if start.context is not None:
+                _, features = target(chunk, start.cache)
+                start.context.add(features)
+            else:
+                model(chunk, cache=start.cache)
+            mx.eval([c.state for c in start.cache])
+        start.tokens = len(ids)
+
+    # Storing ---------------------------------------------------------------------------
+    def store(self, tokens: Sequence[int], start: Start):
+        """Keep the caches of ``start`` for ``tokens`` (what they hold, in order); the
+        caches may hold more (trimmed here) or fewer (the tokens are cut to them)."""
+        if not self.enabled or not reusable(start.cache):
+            return
+        trimmable = all(c.is_trimmable() for c in start.cache)
+        n = min([len(tokens)] + [c.offset for c in start.cache if isinstance(c, KVCache)])
+        if start.context is not None:
+            draft_cache = start.context.fed()
+            n = min([n] + [c.offset for c in draft_cache])
+        if not trimmable and n != start.tokens:
+            return  # a recurrent state is only known at the step it was taken
+        if n < 1:
+            return
+        target = [_rows(c, n) if isinstance(c, KVCache) else (list(c.cache), c.lengths)
+                  for c in start.cache]
+        draft = [_rows(c, n) for c in draft_cache] if start.context is not None else None
+        arrays = [a for pair in target + (draft or []) for a in _flat(pair)]
+        mx.eval(arrays)
+        entry = Entry(tuple(tokens[:n]), target, draft, trimmable, sum(a.nbytes for a in arrays))
+        if entry.nbytes > self.budget:
+            return
+        with self._lock:
+            for key, e in list(self.entries.items()):
+                # An entry this one covers (same tokens first, draft rows if it had them) goes.
+                if (e.tokens == entry.tokens[: len(e.tokens)] and (entry.draft is not None or e.draft is None)
+                        and (trimmable or e.tokens == entry.tokens)):
+                    del self.entries[key]
+            self.entries[next(self._keys)] = entry
+            while self.nbytes > self.budget:
+                self.entries.popitem(last=False)
+
+    def clear(self):
+        with self._lock:
+            self.entries.clear()
+
+
+def _flat(pair) -> List[mx.array]:
+    first, second = pair
+    if isinstance(first, list):
+        return [a for a in first if a is not None] + ([second] if second is not None else [])
+    return [first, second]
