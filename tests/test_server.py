@@ -21,6 +21,7 @@ from tiny_models import make_drafter, make_target, worker_reference
 
 NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: keeps long generations going
 CHAT = [{"role": "user", "content": "say hi"}]
+WINDOW = 6000  # the tiny model's context window in these tests
 
 
 def free_port() -> int:
@@ -34,6 +35,34 @@ def serve_command():
     return [str(script)] if script.exists() else [sys.executable, "-m", "dflash2_mlx.cli.main"]
 
 
+def start_server(root: Path, args, env=None):
+    """`serve ARGS` on a free loopback port, its output in root/server.log; (process, base)."""
+    port = free_port()
+    with open(root / "server.log", "w") as log:
+        proc = subprocess.Popen(serve_command() + ["serve", "--port", str(port), *map(str, args)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        assert proc.poll() is None, (root / "server.log").read_text()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.2)
+
+
+def stop_server(proc):
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
@@ -42,32 +71,12 @@ def server(tmp_path_factory):
     drafter = on_worker(make_drafter, root / "drafter", target)
     settings = root / "model_settings.json"
     SettingsStore(settings).set("tiny", dflash_enabled=True, dflash_draft_model=str(drafter),
-                                max_context_window=64)
-    port = free_port()
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(
-        serve_command() + ["serve", "--model-dir", str(root / "models"), "--settings", str(settings),
-                           "--port", str(port), "--queue-size", "1", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while True:
-        assert proc.poll() is None, (root / "server.log").read_text()
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.2)
-    yield {"base": base, "target": target, "drafter": drafter, "settings": settings, "proc": proc}
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+                                max_context_window=WINDOW)
+    proc, base = start_server(root, ["--model-dir", root / "models", "--settings", settings,
+                                     "--queue-size", "1", "--log-level", "warning"])
+    yield {"base": base, "target": target, "drafter": drafter, "settings": settings, "proc": proc,
+           "root": root, "log": root / "server.log"}
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +169,13 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "stop": 5}, 400, "stop"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": 1.5}, 400, "seed"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a" * 100}]},
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a" * WINDOW}]},
      400, "context_length_exceeded"),
     ("/v1/chat/completions", {"model": "tiny", "stream": True,
-                              "messages": [{"role": "user", "content": "a" * 100}]}, 400, "context_length_exceeded"),
-    ("/v1/completions", {"model": "tiny", "prompt": "b" * 65}, 400, "context_length_exceeded"),
+                              "messages": [{"role": "user", "content": "a" * WINDOW}]}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "b" * (WINDOW + 1)}, 400, "context_length_exceeded"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": WINDOW + 1, "stream": True}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": [3, 4, 100000]}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
@@ -272,6 +283,138 @@ def test_metrics_report_engine_stats(server):
     assert stats["mean_tau"] >= 1.0 and len(stats["acceptance_by_position"]) == 7  # block size auto
     assert sum(stats["block_sizes"].values()) == stats["cycles"] and "adaptive_fallbacks" in stats
     assert stats["rejected_requests"] >= 1 and stats["generation_tps"] > 0
+
+
+def test_prefix_cache_across_chat_turns(server, client, reference):
+    """A second turn reuses the first one's caches: same text as generate(), cached tokens
+    reported as OpenAI does, hits and bytes in /metrics."""
+    before = metrics(server)["models"]["tiny"]
+    messages = [{"role": "user", "content": "tell me about the sea"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and the sky"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
+    assert second.choices[0].message.content == reference(messages, max_tokens=16)
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+    after = metrics(server)["models"]["tiny"]
+    assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
+    assert 0 < after["prefix_cache_bytes"] <= after["prefix_cache_budget_bytes"]
+
+
+def test_load_test_answers_only_200_or_503_before_the_stream(server):
+    """16 concurrent streaming clients on a queue of 1: every refusal is a 503 JSON error,
+    never a 200 whose stream carries an error."""
+    async def client(http, i):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"go {i}"}], "max_tokens": 12,
+                "stream": True}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            text = (await r.aread()).decode()
+            return r.status_code, r.headers.get("content-type", ""), text
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server["base"], timeout=120) as http:
+            return await asyncio.gather(*(client(http, i) for i in range(16)))
+
+    results = asyncio.run(scenario())
+    assert {status for status, _, _ in results} <= {200, 503}
+    assert any(status == 503 for status, _, _ in results) and any(status == 200 for status, _, _ in results)
+    for status, kind, text in results:
+        if status == 503:
+            assert kind.startswith("application/json") and json.loads(text)["error"]["code"] == "queue_full"
+        else:
+            assert '"error"' not in text and text.rstrip().endswith("data: [DONE]")
+    wait_idle(server)
+    healthy(server)
+
+
+def test_models_show_the_engine_they_run(server, client):
+    card = httpx.get(server["base"] + "/v1/models").json()["data"][0]
+    assert card["dflash"] == {"dflash": True, "drafter": str(server["drafter"]), "verify_mode": "dflash",
+                              "block_size": "auto"}
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    assert r.model_extra["dflash"]["dflash"] is True and r.model_extra["dflash"]["block_size"] == "auto"
+
+
+BAD_BODIES = [
+    # (content type, raw body, status, what the error names)
+    ("text/plain", json.dumps({"model": "tiny", "messages": CHAT}).encode(), 415, "unsupported_media_type"),
+    ("application/x-www-form-urlencoded", b"model=tiny", 415, "unsupported_media_type"),
+    ("application/json", b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     400, "messages"),
+]
+
+
+@pytest.mark.parametrize("kind,body,status,what", BAD_BODIES)
+def test_bodies_that_are_not_json_text(server, kind, body, status, what):
+    r = httpx.post(server["base"] + "/v1/chat/completions", content=body, headers={"content-type": kind})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert what in (error["param"] or "", error["code"] or "")
+    assert "tokeniz" not in error["message"].lower() and "internal" not in error["message"]
+
+
+def test_setting_impossible_for_the_drafter_is_a_4xx_and_keeps_the_model(server, client):
+    store = SettingsStore(server["settings"])
+    before = metrics(server)["models"]["tiny"]["requests"]
+    data = json.loads(server["settings"].read_text())
+    data["models"]["tiny"]["dflash_block_size"] = 99  # written by hand: the CLI refuses it
+    server["settings"].write_text(json.dumps(data))
+    try:
+        r = httpx.post(server["base"] + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dflash_block_size", r.text
+        assert "tiny" in httpx.get(server["base"] + "/health").json()["loaded_models"]
+        assert metrics(server)["models"]["tiny"]["requests"] == before  # not reloaded: stats kept
+    finally:
+        store.update("tiny", {"dflash_block_size": None})
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_corrupted_settings_file_keeps_the_last_good_settings(server, client, reference):
+    good = server["settings"].read_text()
+    server["settings"].write_text(good[: len(good) // 2])  # a torn file
+    try:
+        health = httpx.get(server["base"] + "/health").json()
+        assert health["status"] == "degraded" and "not valid JSON" in health["problem"]
+        r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
+        assert r.choices[0].message.content == reference(CHAT, max_tokens=8)
+        r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
+        assert r.model_extra["dflash"]["drafter"] == str(server["drafter"])  # still with the drafter
+    finally:
+        server["settings"].write_text(good)
+    healthy(server)
+    lines = [x for x in server["log"].read_text().splitlines() if "last good settings" in x]
+    assert len(lines) == 1 and "Traceback" not in server["log"].read_text()
+
+
+def test_serve_with_a_corrupted_settings_file_is_one_line(server, tmp_path):
+    bad = tmp_path / "model_settings.json"
+    bad.write_text('{"models": {')
+    r = subprocess.run(serve_command() + ["serve", "--model-dir", str(server["root"] / "models"), "--settings",
+                                          str(bad), "--preload", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len([x for x in r.stderr.splitlines() if x.startswith("error:")]) == 1 and "not valid JSON" in r.stderr
+
+
+def test_api_key_locks_every_route_but_health(server, tmp_path):
+    import os
+
+    key = "s3cret-key-for-tests"
+    proc, base = start_server(tmp_path, ["--model-dir", server["root"] / "models", "--settings", server["settings"]],
+                              env={**os.environ, "DFLASH2_MLX_API_KEY": key})
+    try:
+        assert httpx.get(base + "/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            r = httpx.get(base + "/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=headers)
+            assert r.status_code == 401
+        good = OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60)
+        assert good.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        assert key not in httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    finally:
+        stop_server(proc)
+    assert key not in (tmp_path / "server.log").read_text()
 
 
 def test_manager_edits_settings_file(server, client, reference):

@@ -250,3 +250,35 @@ def test_models_cli_sets_shows_lists_and_checks(tmp_path, pair):
     assert r.exit_code == 0 and r.output.startswith("compatible")
     r = run(app, ["models", "unset", "Qwen3-4B", "dflash_enabled", "--settings", str(path)])
     assert r.exit_code == 0 and "dflash_enabled" not in json.loads(path.read_text())["models"]["Qwen3-4B"]
+
+
+def test_models_cli_refuses_values_the_drafter_cannot_take(tmp_path, pair):
+    target, drafter = pair  # the tiny drafter is trained on blocks of 8
+    path = tmp_path / "model_settings.json"
+    run = CliRunner().invoke
+    base = ["models", "set", "m", "dflash_enabled=true", f"dflash_draft_model={drafter}"]
+    r = run(app, base + ["dflash_block_size=99", "--settings", str(path)])
+    assert r.exit_code == 2 and "dflash_block_size" in r.output and "1..8" in r.output
+    assert not path.exists()  # nothing written
+    r = run(app, base + ["dflash_block_size=4", "--settings", str(path)])
+    assert r.exit_code == 0, r.output
+    r = run(app, ["models", "set", "m", f"dflash_draft_model={tmp_path / 'nowhere'}", "--settings", str(path)])
+    assert r.exit_code == 2 and "dflash_draft_model" in r.output
+    r = run(app, ["models", "list", "--settings", str(path)])
+    assert f"m\tdflash\t{drafter}\tblock 4" in r.output
+    # The built-in model is listed as `serve` runs it: with its shipped drafter, block size auto.
+    assert "SmolLM2-135M-Instruct\tdflash\t" in r.output and "smollm2-135m-dflash2\tblock auto" in r.output
+    r = run(app, ["models", "show", "m", "--settings", str(path)])
+    assert json.loads(r.output)["engine"] == {"dflash": True, "drafter": str(drafter),
+                                              "verify_mode": "dflash", "block_size": 4}
+    r = run(app, ["models", "show", "Nope", "--settings", str(path)])
+    assert r.exit_code != 0 and "Nope" in r.output and "{}" not in r.output
+
+
+def test_engine_description():
+    assert ModelSettings().engine() == {"dflash": False, "drafter": None, "verify_mode": "off", "block_size": None}
+    on = ModelSettings(dflash_enabled=True, dflash_draft_model="d", dflash_block_size=4)
+    assert on.engine()["block_size"] == 4
+    assert ModelSettings(dflash_enabled=True, dflash_draft_model="d", dflash_block_size=4,
+                         dflash_verify_mode="adaptive").engine()["block_size"] == "auto"
+    assert ModelSettings(dflash_enabled=True, dflash_draft_model="d", dflash_max_ctx=10).engine(11)["dflash"] is False
