@@ -2,11 +2,11 @@
 without it (--prefix-cache-gb 0), on the built-in pair unless --model/--draft are given.
 
 The chat opens with a long system message (worked GSM8K answers from the shipped prompt
-set, about --context tokens with the first question); each reply (greedy, --max-tokens)
+set, about --context characters / 4 tokens with the first question); each reply (greedy, --max-tokens)
 goes back into the history. Prints per turn: prompt tokens, cached tokens, time to first
 token, and the ratio to turn 1; then whether both servers wrote the same replies.
 
-    python scripts/chat_prefix_cache.py            # ~2,000-token chat on the built-in pair
+    python scripts/chat_prefix_cache.py            # ~3,000-token chat on the built-in pair
 """
 
 import argparse
