@@ -47,21 +47,24 @@ def blas_hint() -> Optional[str]:
 
 
 def kernel_report() -> list:
-    """One dict per kernel: ``kernel``, ``path`` and ``self_check``.
+    """One dict per production kernel variant (``kernels.production_launches``):
+    ``kernel``, ``variant``, ``path`` and ``self_check``.
 
-    Where the kernels can run, this runs each self-check (once per process).
+    Where the kernels can run, this runs each variant's self-check (once per process).
     """
     rows = []
     for name in kernels.KERNEL_NAMES:
-        if kernels.reference_forced():
-            check = f"not run (forced by {kernels.FORCE_REFERENCE_ENV})"
-        elif not kernels.metal_usable():
-            check = "not run (no Metal back-end)" if not mx.metal.is_available() else \
-                "not run (default device is the CPU)"
-        else:
-            result = kernels.self_check(name)
-            check = "passed" if result.passed else f"failed: {result.detail}"
-        rows.append({"kernel": name, "path": kernels.active_path(name), "self_check": check})
+        for launch in kernels.production_launches(name):
+            if kernels.reference_forced():
+                check = f"not run (forced by {kernels.FORCE_REFERENCE_ENV})"
+            elif not kernels.metal_usable():
+                check = "not run (no Metal back-end)" if not mx.metal.is_available() else \
+                    "not run (default device is the CPU)"
+            else:
+                result = kernels.self_check(name, launch)
+                check = "passed" if result.passed else f"{result.failure}: {result.detail}"
+            rows.append({"kernel": name, "variant": kernels.describe(kernels.variant(name, launch)),
+                         "path": kernels.active_path(name, launch), "self_check": check})
     return rows
 
 
@@ -75,7 +78,6 @@ def run_doctor(echo=print) -> list:
         hint = blas_hint()
         echo(f"BLAS: {blas} (loaded)" if blas else "BLAS: MLX's bundled reference BLAS"
              + (f"\n  {hint}" if hint else ""))
-    width = max(len(r["kernel"]) for r in rows)
     for r in rows:
-        echo(f"  {r['kernel']:<{width}}  path: {r['path']}  self-check: {r['self_check']}")
+        echo(f"  {r['variant']}\n      path: {r['path']}  self-check: {r['self_check']}")
     return rows

@@ -10,8 +10,10 @@ text and arguments the GPU gets.
 
 Dispatch: a kernel runs when Metal is available and the default device is the GPU,
 unless ``DFLASH2_MLX_FORCE_REFERENCE=1`` (or ``force_reference(True)``) asks for the
-twins.  The first use of each kernel in a process checks it against its twin on a small
-random input; on a mismatch it warns once, naming the kernel, and the twin is used from
+twins.  The first use of each kernel *variant* in a process (template values, input
+dtypes and address spaces: see ``variant``) checks it against its twin on inputs of the
+same shapes and dtypes; on a failure it warns once, naming the variant and saying whether
+it failed to compile, failed to run or disagreed, and that variant uses the twin from
 then on.  Gradients always come from the twin (``mx.custom_function`` with the twin's
 VJP), so training differentiates through the meaning, not the kernel.
 """
@@ -275,147 +277,329 @@ def metal_usable() -> bool:
     return mx.metal.is_available() and mx.default_device().type == mx.DeviceType.gpu
 
 
+# A variant is one compiled kernel as MLX builds it: the template values, and each
+# input's dtype and address space (MLX binds an input of fewer than 8 elements as
+# `constant`, a 0-d one by reference). Each variant is self-checked on its first use.
+MAX_CONSTANT_ARRAY_SIZE = 8
+
+
+def _binding(a: mx.array) -> str:
+    space = "constant" if a.size < MAX_CONSTANT_ARRAY_SIZE else "device"
+    return f"{space} {a.dtype}".replace("mlx.core.", "") + ("&" if a.ndim == 0 else "*")
+
+
+def variant(key: str, launch: Launch) -> tuple:
+    """The cache key of the compiled kernel ``launch`` runs (see ``describe``)."""
+    template = tuple((n, v if isinstance(v, int) else str(v).replace("mlx.core.", ""))
+                     for n, v in launch.template)
+    return key, template, tuple(_binding(a) for a in launch.inputs)
+
+
+def describe(v: tuple) -> str:
+    """E.g. ``path_selector[K=16 R=256 L=4 NT=256 AG=bfloat16; cand device uint32*, ...]``."""
+    key, template, bindings = v
+    names = SOURCES[key].input_names
+    return (f"{key}[{' '.join(f'{n}={t}' for n, t in template)}; "
+            + ", ".join(f"{n} {b}" for n, b in zip(names, bindings)) + "]")
+
+
 @dataclass
 class SelfCheck:
     kernel: str
     passed: bool
     detail: str = ""
+    variant: str = ""
+    failure: str = ""  # "", "failed to compile", "failed to run" or "disagreed"
 
 
 _checks: dict = {}
 
+# Messages MLX raises when the Metal compiler rejects a kernel (mlx/backend/metal/device.cpp),
+# and the emulator's own (tests/metal_emu).
+COMPILE_FAILURES = ("Unable to build metal library", "Unable to load function",
+                    "Unable to load kernel", "failed on the emulated kernel")
+# The walk's sampled pick may flip where a uniform lies this close to a cumulative sum:
+# the kernel uses precise exp and a sequential sum, the twin on a GPU fast::exp and a
+# SIMD prefix sum (K terms of at most a few ulps each; 1 ulp of 1.0 is 6e-8).
+BOUNDARY_TOL = 4e-6
 
-def _compare(name, got, want, atol, rtol, exact=False):
-    got = got.astype(mx.float32) if got.dtype != want.dtype else got
-    want = want.astype(got.dtype)
-    if got.shape != want.shape:
-        return f"{name}: shape {got.shape} != {want.shape}"
-    if exact:
-        ok = mx.array_equal(got, want).item()
-    else:
-        ok = mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=atol, rtol=rtol).item()
-    if not ok:
-        err = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
-        return f"{name}: max abs difference {err:.3g}"
+
+def _as_f32(a):
+    return a.astype(mx.float32)
+
+
+def _exact_problem(name, got, want):
+    if got.shape == want.shape and got.dtype == want.dtype and mx.array_equal(got, want).item():
+        return ""
+    return f"{name}: not bit-identical to the twin's"
+
+
+def _close_problem(name, got, want, atol=1e-5, rtol=1e-4):
+    if mx.allclose(_as_f32(got), _as_f32(want), atol=atol, rtol=rtol, equal_nan=True).item():
+        return ""
+    return f"{name}: max abs difference {mx.max(mx.abs(_as_f32(got) - _as_f32(want))).item():.3g}"
+
+
+def path_problem(label, path, q, want_path, want_q, uniforms, temperature):
+    """Problem text when the kernel's walk (path, q) disagrees with the twin's.
+
+    Paths must match exactly, except at a sampled step whose uniform lies within
+    ``BOUNDARY_TOL`` of the twin's cumulative sum at every boundary between the two
+    picks (a rounding flip, see BOUNDARY_TOL); the rest of that row's walk then follows
+    another lattice row and is not compared. q rows are compared up to there."""
+    L, K = want_q.shape[-2], want_q.shape[-1]
+    gp, wp = path.reshape(-1, L).tolist(), want_path.reshape(-1, L).tolist()
+    gq, wq = q.reshape(-1, L, K), want_q.reshape(-1, L, K)
+    us = uniforms.reshape(-1, L).tolist()
+    cdf = mx.cumsum(wq, axis=-1).tolist()
+    for n in range(len(wp)):
+        stop = L
+        for t in range(L):
+            if gp[n][t] == wp[n][t]:
+                continue
+            lo, hi = sorted((gp[n][t], wp[n][t]))
+            near = temperature != 0 and 0 <= lo and hi < K and all(
+                abs(cdf[n][t][j] - us[n][t]) <= BOUNDARY_TOL for j in range(lo, hi))
+            if not near:
+                return (f"path ({label}): row {n} step {t} picks {gp[n][t]}, the twin "
+                        f"{wp[n][t]}, not at a sampling boundary")
+            stop = t + 1
+            break
+        problem = _close_problem(f"q ({label})", gq[n, :stop], wq[n, :stop])
+        if problem:
+            return f"{problem} in row {n}"
     return ""
 
 
-def _check_inputs_conv():
-    key = mx.random.key(20240521)
-    k1, k2, k3 = mx.random.split(key, 3)
-    x = mx.random.normal((2, 5, 64), key=k1)
-    dyn = mx.random.normal((2, 5, 2, 4), key=k2) * 0.5
-    base = mx.random.normal((2, 64), key=k3)
-    return x, dyn, base
+def _keys(n):
+    return mx.random.split(mx.random.key(20240521), n)
 
 
-def _check_inputs_selector(ties: bool = False):
-    # Quarter-integer values: every product and sum is exact in fp32, so kernel and
-    # twin must agree bit for bit whatever the summation order (or FMA contraction).
-    # With ties=True the pair terms vanish and the unary scores take only the values
-    # 0, 1, 2, so the greedy walk meets tied maxima at every step.
-    key = mx.random.key(7)
-    k = mx.random.split(key, 5)
-    V, R, L, K = 40, 8, 4, 6
-    q4 = lambda shape, key: mx.round(mx.random.uniform(-8, 8, shape, key=key)) / 4
-    cand = mx.stack([mx.random.permutation(V, key=kk)[:K * L].reshape(L, K)
-                     for kk in mx.random.split(k[0], 2)]).astype(mx.int32)
-    unary, gate = q4((2, L, K), k[1]), q4((2, L, R), k[2])
-    A, B = q4((V, R), k[3]), q4((V, R), k[4])
-    if ties:
-        unary = mx.round(mx.random.uniform(0, 2, (2, L, K), key=k[1]))
-        A = mx.zeros_like(A)
-    anchor = mx.array([3, 11], dtype=mx.int32)
-    uniforms = mx.random.uniform(shape=(2, L), key=k[0])
-    return unary, cand, gate, anchor, A, B, uniforms
+def _quarters(shape, key, lo=-8, hi=8):
+    # Multiples of 1/4 in [lo/4, hi/4]: with them the selector's products and sums are
+    # exact in fp32 (and A * g in bf16 / fp16), so scores match bit for bit in any order.
+    return mx.round(mx.random.uniform(lo, hi, shape, key=key)) / 4
 
 
-def _self_check_conv(run=None):
+@dataclass
+class CheckCase:
+    """One self-check launch of a variant, with the twin's outputs and how to judge."""
+
+    label: str
+    launch: Launch
+    want: list
+    judge: object  # (outputs, want) -> problem text, "" when they agree
+
+
+def conv_problem(got, x, dyn, base) -> str:
+    """Problem text when the conv kernel's ``got`` is further from the twin than FMA
+    contraction allows. The Metal compiler may fuse tap0 * x + tap1 * prev into one
+    fused multiply-add (one rounding of a product skipped), so the guarantee is
+    |got - twin| <= eps_C * max(|tap0 * x|, |tap1 * prev|) + eps_T * |twin| (C the compute,
+    T the output dtype): exact to the twin's rounding relative to the products, not to
+    the result, which cancellation can make tiny."""
+    want = dynamic_conv_reference(x, dyn, base)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"out: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    launch = conv_launch(x, dyn, base)
+    C, T = dict(launch.template)["C"], x.dtype
+    H = x.shape[-1]
+    taps = (base + mx.repeat(dyn, H // dyn.shape[-1], axis=-1)).astype(mx.float32)
+    x32 = x.astype(mx.float32)
+    prev = mx.concatenate([mx.zeros_like(x32[..., :1, :]), x32[..., :-1, :]], axis=-2)
+    mag = mx.maximum(mx.abs(taps[..., 0, :] * x32), mx.abs(taps[..., 1, :] * prev))
+    bound = mx.finfo(C).eps * mag + mx.finfo(T).eps * mx.abs(_as_f32(want))
+    g, w = _as_f32(got), _as_f32(want)
+    finite = mx.isfinite(g) & mx.isfinite(w)
+    same = mx.array_equal(mx.where(finite, 0, g), mx.where(finite, 0, w), equal_nan=True).item()
+    excess = mx.max(mx.where(finite, mx.abs(g - w) - bound, 0)).item()
+    if not same or excess > 0:
+        err = mx.max(mx.where(finite, mx.abs(g - w), 0)).item()
+        return f"out: max abs difference {err:.3g}, beyond the fused-multiply-add bound"
+    return ""
+
+
+def _conv_cases(launch: Launch) -> list:
+    x, dyn, base = launch.inputs
+    k = _keys(3)
+    args = (mx.random.normal(x.shape, key=k[0]).astype(x.dtype),
+            (mx.random.normal(dyn.shape, key=k[1]) * 0.5).astype(dyn.dtype),
+            mx.random.normal(base.shape, key=k[2]).astype(base.dtype))
+    judge = lambda out, want: conv_problem(out[0], *args)
+    return [CheckCase("random", conv_launch(*args), [], judge)]
+
+
+# Greedy, sampled at two temperatures, and greedy on tied maxima (pair terms zero, unary
+# scores in {0, 1, 2}).
+_WALKS = ((False, 0.0), (False, 0.7), (False, 2.0), (True, 0.0))
+
+
+def _walk_judge(label, temperature, uniforms, with_scores):
+    def judge(out, want):
+        problems = [_exact_problem("scores", out[0], want[0])] if with_scores else []
+        path, q = out[-2:]
+        problems.append(path_problem(label, path, q, *want[-2:], uniforms, temperature))
+        return "; ".join(p for p in problems if p)
+
+    return judge
+
+
+def _selector_cases(launch: Launch) -> list:
+    unary, cand, gate, anchor, A, B, _, uniforms = launch.inputs
+    batch, V = cand.shape[:-2], max(64, 2 * cand.shape[-1])
+    k = _keys(6)
+    cases = []
+    for ties, temp in _WALKS:
+        args = dict(
+            unary=(mx.round(mx.random.uniform(0, 2, unary.shape, key=k[0])) if ties
+                   else _quarters(unary.shape, k[0])).astype(unary.dtype),
+            cand=mx.random.randint(0, V, cand.shape, key=k[1]).astype(cand.dtype),
+            gate=_quarters(gate.shape, k[2]).astype(gate.dtype),
+            anchor=mx.random.randint(0, V, batch, key=k[3]).astype(anchor.dtype),
+            predecessor_codebook=(mx.zeros((V, A.shape[1])) if ties
+                                  else _quarters((V, A.shape[1]), k[4])).astype(A.dtype),
+            successor_codebook=_quarters((V, B.shape[1]), k[5]).astype(B.dtype),
+        )
+        u = mx.random.uniform(shape=uniforms.shape, key=mx.random.split(k[0], 32)[int(temp * 10)])
+        scores = pair_scores_reference(**args)
+        label = f"T={temp}{' ties' if ties else ''}"
+        cases.append(CheckCase(label, selector_launch(**args, temperature=temp, uniforms=u),
+                               [scores, *walk_reference(scores, temp, u)],
+                               _walk_judge(label, temp, u, with_scores=True)))
+    return cases
+
+
+def _walk_cases(launch: Launch) -> list:
+    scores, _, uniforms = launch.inputs
+    k = _keys(2)
+    cases = []
+    for ties, temp in _WALKS:
+        s = mx.round(mx.random.uniform(0, 2, scores.shape, key=k[0])) if ties else \
+            _quarters(scores.shape, k[0])
+        u = mx.random.uniform(shape=uniforms.shape, key=mx.random.split(k[1], 32)[int(temp * 10)])
+        label = f"T={temp}{' ties' if ties else ''}"
+        cases.append(CheckCase(label, walk_launch(s, temp, u), list(walk_reference(s, temp, u)),
+                               _walk_judge(label, temp, u, with_scores=False)))
+    return cases
+
+
+CHECK_CASES = {"dynamic_conv": _conv_cases, "path_selector": _selector_cases,
+               "path_walk": _walk_cases}
+
+
+def _failure_kind(message: str) -> str:
+    return "failed to compile" if any(m in message for m in COMPILE_FAILURES) else "failed to run"
+
+
+def check_variant(key: str, launch: Launch, run=None) -> SelfCheck:
+    """Run the variant of ``launch`` on inputs of its own shapes and dtypes (never the
+    caller's data) and compare with the twins; ``run(key, launch)`` runs a kernel
+    (default: on Metal)."""
     run = run or run_metal
-    x, dyn, base = _check_inputs_conv()
+    name = describe(variant(key, launch))
     problems = []
-    for dt in (mx.float32, mx.bfloat16):
-        args = (x.astype(dt), dyn.astype(dt), base.astype(dt))
-        got = run("dynamic_conv", conv_launch(*args))[0]
-        want = dynamic_conv_reference(*args)
-        tol = 1e-5 if dt == mx.float32 else 2e-2
-        problems.append(_compare(f"{dt}", got, want, tol, tol))
-    return "; ".join(p for p in problems if p)
+    try:
+        for case in CHECK_CASES[key](launch):
+            out = run(key, case.launch)
+            mx.eval(out)
+            problem = case.judge(out, case.want)
+            if problem:
+                problems.append(problem)
+    except Exception as e:  # a kernel that fails to compile or run fails its check
+        detail = f"{type(e).__name__}: {e}".strip()
+        return SelfCheck(key, False, detail, name, _failure_kind(detail))
+    detail = "; ".join(problems)
+    return SelfCheck(key, not detail, detail, name, "disagreed" if detail else "")
 
 
-def _self_check_selector(run=None):
-    run = run or run_metal
-    problems = []
-    for ties, temp in ((False, 0.0), (False, 0.7), (True, 0.0)):
-        unary, cand, gate, anchor, A, B, u = _check_inputs_selector(ties)
-        want_scores = pair_scores_reference(unary, cand, gate, anchor, A, B)
-        s, p, q = run("path_selector", selector_launch(unary, cand, gate, anchor, A, B, temp, u))
-        wp, wq = walk_reference(want_scores, temp, u)
-        problems += [
-            _compare("scores", s, want_scores, 0, 0, exact=True),
-            _compare(f"path (T={temp})", p, wp, 0, 0, exact=True),
-            _compare(f"q (T={temp})", q, wq, 1e-5, 1e-4),
-        ]
-    return "; ".join(p for p in problems if p)
-
-
-def _self_check_walk(run=None):
-    run = run or run_metal
-    problems = []
-    for ties, temp in ((False, 0.0), (False, 0.7), (True, 0.0)):
-        unary, cand, gate, anchor, A, B, u = _check_inputs_selector(ties)
-        scores = pair_scores_reference(unary, cand, gate, anchor, A, B)
-        p, q = run("path_walk", walk_launch(scores, temp, u))
-        wp, wq = walk_reference(scores, temp, u)
-        problems += [_compare(f"path (T={temp})", p, wp, 0, 0, exact=True),
-                     _compare(f"q (T={temp})", q, wq, 1e-5, 1e-4)]
-    return "; ".join(p for p in problems if p)
-
-
-_SELF_CHECKS = {
-    "dynamic_conv": _self_check_conv,
-    "path_selector": _self_check_selector,
-    "path_walk": _self_check_walk,
-}
-
-
-def self_check(kernel: str) -> SelfCheck:
-    """Check ``kernel`` against its twin once per process (needs Metal); warn on failure."""
-    if kernel not in _checks:
-        try:
-            detail = _SELF_CHECKS[kernel]()
-        except Exception as e:  # a kernel that fails to compile or run is a failed check
-            detail = f"{type(e).__name__}: {e}"
-        result = SelfCheck(kernel, not detail, detail)
-        _checks[kernel] = result
+def self_check(key: str, launch: Launch = None) -> SelfCheck:
+    """Check the variant of ``launch`` (default: the first production variant of ``key``)
+    against the twins once per process; warn once per failing variant."""
+    launch = launch or production_launches(key)[0]
+    v = variant(key, launch)
+    if v not in _checks:
+        result = check_variant(key, launch)
+        _checks[v] = result
         if not result.passed:
             warnings.warn(
-                f"dflash2-mlx: the Metal kernel '{kernel}' disagrees with its reference twin "
-                f"({detail}); using the twin for the rest of this process",
+                f"dflash2-mlx: the Metal kernel {result.variant} {result.failure} "
+                f"({result.detail}); its reference twin is used for this variant for the "
+                f"rest of this process",
                 RuntimeWarning,
                 stacklevel=3,
             )
-    return _checks[kernel]
+    return _checks[v]
 
 
-def active_path(kernel: str) -> str:
-    """Which implementation ``kernel`` dispatches to right now, with the reason."""
+def checked_variants() -> list:
+    """Every variant self-checked in this process (SelfCheck each)."""
+    return list(_checks.values())
+
+
+def production_launches(key: str) -> list:
+    """Launches of the variant classes production dispatches: the drafter's conv in fp32,
+    bf16 and fp16 activations (with an fp32 base too) at H 5120 (several threadgroups),
+    blocks of 5 and 16; the selector with no batch dimension (anchor and uniforms then
+    bind as `constant`), uint32 (argpartition) and int32 (draft vocabulary) candidates,
+    k 16 (256 threads), rank 256, fp32 / bf16 / fp16 gate and codebooks; the walk alike;
+    and one batched launch of each."""
+    f32, bf16, f16 = mx.float32, mx.bfloat16, mx.float16
+    z = lambda shape, dt: mx.zeros(shape, dtype=dt)
+    out = []
+    if key == "dynamic_conv":
+        H, G = 5120, 320
+        for L in (5, 16):
+            for xd, bd in ((f32, f32), (bf16, bf16), (f16, f16), (bf16, f32), (f16, f32)):
+                out.append(conv_launch(z((1, L, H), xd), z((1, L, 2, G), xd), z((2, H), bd)))
+        out.append(conv_launch(z((3, 5, H), bf16), z((3, 5, 2, G), bf16), z((2, H), f32)))
+        return out
+    K, R, V = 16, 256, 64
+    for T in (4, 15):
+        for cd in (mx.uint32, mx.int32):
+            for wd in (f32, bf16, f16):
+                if key == "path_walk":
+                    if cd == mx.int32 and wd == f32:
+                        out.append(walk_launch(z((T, K, K), f32), 0.7, z((T,), f32)))
+                    continue
+                out.append(selector_launch(z((T, K), f32), z((T, K), cd), z((T, R), wd),
+                                           mx.array(0), z((V, R), wd), z((V, R), wd),
+                                           0.7, z((T,), f32)))
+    if key == "path_walk":
+        out.append(walk_launch(z((3, 4, K, K), f32), 0.7, z((3, 4), f32)))
+    else:
+        out.append(selector_launch(z((3, 4, K), f32), z((3, 4, K), mx.int32), z((3, 4, R), f32),
+                                   z((3,), mx.int32), z((V, R), f32), z((V, R), f32),
+                                   0.7, z((3, 4), f32)))
+    return out
+
+
+def active_path(key: str, launch: Launch = None) -> str:
+    """Which implementation ``key`` (the variant of ``launch`` when given) dispatches to
+    right now, with the reason."""
     if reference_forced():
         return f"reference (forced by {FORCE_REFERENCE_ENV})"
     if not mx.metal.is_available():
         return "reference (no Metal back-end)"
     if mx.default_device().type != mx.DeviceType.gpu:
         return "reference (default device is the CPU)"
-    check = _checks.get(kernel)
-    if check is not None and not check.passed:
-        return "reference (self-check failed)"
+    if launch is not None:
+        check = _checks.get(variant(key, launch))
+        if check is not None and not check.passed:
+            return f"reference (self-check {check.failure})"
+    else:
+        failed = [c for c in _checks.values() if c.kernel == key and not c.passed]
+        if failed:
+            return f"metal ({len(failed)} variant(s) on the reference after a failed self-check)"
     return "metal"
 
 
-def _use_kernel(kernel: str) -> bool:
+def _kernel_launch(key: str, build, *args):
+    """``build(*args)`` when the kernel should run it (Metal usable, not forced off, and
+    its variant passed the self-check), else None: the caller uses the twin."""
     if reference_forced() or not metal_usable():
-        return False
-    return self_check(kernel).passed
+        return None
+    launch = build(*args)
+    return launch if self_check(key, launch).passed else None
 
 
 # ---- timing hook (for the draft-cycle share in kernel_bench) -----------------------
@@ -448,6 +632,8 @@ def _timed(group, fn, *args):
 
 
 # ---- the functions the drafter calls ----------------------------------------------
+# Each builds its launch (cheap, pure Python), then runs the kernel when Metal is usable
+# and that variant passed its self-check, else the twin.
 
 
 def _conv_kernel(x, dyn, base):
@@ -465,7 +651,7 @@ def dynamic_conv(x, dyn, base):
 
 
 def _dynamic_conv(x, dyn, base):
-    if _use_kernel("dynamic_conv"):
+    if _kernel_launch("dynamic_conv", conv_launch, x, dyn, base):
         return _conv(x, dyn, base)
     return dynamic_conv_reference(x, dyn, base)
 
@@ -488,9 +674,10 @@ def pair_scores(unary, cand, gate, anchor, predecessor_codebook, successor_codeb
 
 
 def _pair_scores(unary, cand, gate, anchor, predecessor_codebook, successor_codebook):
-    if _use_kernel("path_selector"):
-        return _scores(unary, cand, gate, mx.array(anchor), predecessor_codebook, successor_codebook)
-    return pair_scores_reference(unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
+    args = (unary, cand, gate, mx.array(anchor), predecessor_codebook, successor_codebook)
+    if _kernel_launch("path_selector", selector_launch, *args):
+        return _scores(*args)
+    return pair_scores_reference(*args)
 
 
 def walk(scores, temperature=0.0, uniforms=None):
@@ -501,8 +688,9 @@ def walk(scores, temperature=0.0, uniforms=None):
 
 
 def _walk(scores, temperature=0.0, uniforms=None):
-    if _use_kernel("path_walk"):
-        return tuple(run_metal("path_walk", walk_launch(scores, temperature, uniforms)))
+    launch = _kernel_launch("path_walk", walk_launch, scores, temperature, uniforms)
+    if launch:
+        return tuple(run_metal("path_walk", launch))
     return walk_reference(scores, temperature, uniforms)
 
 
@@ -522,9 +710,9 @@ def select(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
 
 def _select(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
             temperature=0.0, uniforms=None):
-    if _use_kernel("path_selector"):
-        launch = selector_launch(unary, cand, gate, anchor, predecessor_codebook,
-                                 successor_codebook, temperature, uniforms)
+    launch = _kernel_launch("path_selector", selector_launch, unary, cand, gate, anchor,
+                            predecessor_codebook, successor_codebook, temperature, uniforms)
+    if launch:
         return tuple(run_metal("path_selector", launch))
     scores = pair_scores_reference(unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
     return (scores, *walk_reference(scores, temperature, uniforms))

@@ -8,11 +8,13 @@ successor codebooks.  Position 1's only predecessor is the anchor (the last veri
 token); position t > 1 takes its predecessor among position t-1's candidates.
 
 Walk rules, shared by the Metal kernel and this twin:
+- a NaN score counts as -inf;
 - greedy (temperature 0): argmax of the row, ties go to the lowest candidate index
   (candidates are ordered by descending drafter logit, so the drafter's preference wins);
 - sampled: p = softmax(row / temperature); with uniform u in [0, 1), pick the first j
   whose cumulative sum exceeds u; if rounding leaves u above the total, the last
-  candidate with p > 0.  ``q`` returns the 16-way rows for rejection sampling.
+  candidate with p > 0; a row without a finite maximum (all -inf, or +inf after
+  scaling) is walked greedily.  ``q`` returns the 16-way rows for rejection sampling.
 """
 
 import mlx.core as mx
@@ -54,15 +56,20 @@ def walk_reference(scores, temperature: float = 0.0, uniforms=None):
         row = mx.take_along_axis(
             scores[..., t, :, :], prev[..., None, None], axis=-2
         ).squeeze(-2)  # [..., k]
+        x = row if temperature == 0 else row / temperature
+        x = mx.where(mx.isnan(x), -mx.inf, x)  # not argmax's own NaN rule: it differs by back-end
+        greedy = mx.argmax(x, axis=-1).astype(mx.int32)
+        one_hot = (mx.arange(k) == greedy[..., None]).astype(mx.float32)
         if temperature == 0:
-            idx = mx.argmax(row, axis=-1).astype(mx.int32)
-            q = (mx.arange(k) == idx[..., None]).astype(mx.float32)
+            idx, q = greedy, one_hot
         else:
-            q = mx.softmax(row / temperature, axis=-1, precise=True)
+            q = mx.softmax(x, axis=-1, precise=True)
             cdf = mx.cumsum(q, axis=-1)
             idx = mx.sum(cdf <= uniforms[..., t : t + 1], axis=-1).astype(mx.int32)
             last = (k - 1 - mx.argmax((q > 0)[..., ::-1], axis=-1)).astype(mx.int32)
-            idx = mx.minimum(idx, last)
+            finite = mx.isfinite(mx.max(x, axis=-1))
+            idx = mx.where(finite, mx.minimum(idx, last), greedy)
+            q = mx.where(finite[..., None], q, one_hot)
         path.append(idx)
         qs.append(q)
         prev = idx

@@ -13,8 +13,14 @@
 // Grid (H, L, N): one thread per (batch row, block position, channel). A thread reads
 // only inputs and writes only its own output element, so thread order cannot matter.
 // The arithmetic follows the twin operation for operation and dtype for dtype
-// (taps = base + dyn, then tap0 * x + tap1 * x_prev, then the cast to T), so the
-// result rounds exactly as the twin does in fp32, fp16 and bf16.
+// (taps = base + dyn, then tap0 * x + tap1 * x_prev, then the cast to T). What that
+// guarantees: without floating-point contraction the result rounds exactly as the twin
+// does (the emulator, -ffp-contract=off, checks bit equality). MLX compiles in math mode
+// "safe", but the Metal compiler may still fuse tap0 * x + tap1 * x_prev into one
+// fused multiply-add, skipping one product's rounding; then
+//   |out - twin| <= eps(C) * max(|tap0 * x|, |tap1 * x_prev|) + eps(T) * |twin|,
+// relative to the products, not the result (cancellation can make the result tiny and
+// that difference many ulps of it). kernels.conv_problem checks exactly this bound.
 
 //@ conv
 const uint c = thread_position_in_grid.x;

@@ -19,44 +19,49 @@
 //           uniforms; outputs path, q; template K, L. One thread per batch row.
 //
 // Walk rules (shared with dflash2_mlx.selector.walk_reference):
+//   a NaN score counts as -inf (so NaN rows behave the same on every back-end);
 //   greedy (temperature == 0): argmax, ties to the lowest candidate index; q one-hot.
-//   sampled: q = softmax(row / temperature) computed as exp(x - max) * (1 / sum);
-//   pick the first j whose running sum of q exceeds u, else the last j with q > 0.
+//   sampled: x = row / temperature; if max(x) is not finite (every score -inf or NaN,
+//   or an overflow to +inf) the step is greedy on x; otherwise
+//   q = softmax(x) computed as exp(x - max) * (1 / sum), and the pick is the first j
+//   whose running sum of q exceeds u, else (rounding left u above the total) the last
+//   j with q > 0.
 
 //@ header
 // Row is `const device float*` or `const constant float*` (MLX binds inputs of fewer
 // than 8 elements in the constant address space), hence the template.
+inline float dflash_walk_score(float s, float temperature) {
+  const float x = temperature == 0.0f ? s : s / temperature;
+  return metal::isnan(x) ? -metal::numeric_limits<float>::infinity() : x;
+}
+
 template <int K, typename Row>
 inline uint dflash_walk_step(Row row, float temperature, float u, device float* q) {
-  if (temperature == 0.0f) {
-    uint pick = 0;
-    float best = row[0];
-    for (uint j = 1; j < K; ++j) {
-      if (row[j] > best) {
-        best = row[j];
-        pick = j;
-      }
-    }
-    for (uint j = 0; j < K; ++j) {
-      q[j] = j == pick ? 1.0f : 0.0f;
-    }
-    return pick;
-  }
   float top = -metal::numeric_limits<float>::infinity();
+  uint arg = 0;
   for (uint j = 0; j < K; ++j) {
-    top = metal::max(top, row[j] / temperature);
+    const float x = dflash_walk_score(row[j], temperature);
+    if (x > top) {
+      top = x;
+      arg = j;
+    }
+  }
+  if (temperature == 0.0f || !metal::isfinite(top)) {
+    for (uint j = 0; j < K; ++j) {
+      q[j] = j == arg ? 1.0f : 0.0f;
+    }
+    return arg;
   }
   float total = 0.0f;
   for (uint j = 0; j < K; ++j) {
-    const float e = metal::exp(row[j] / temperature - top);
+    const float e = metal::exp(dflash_walk_score(row[j], temperature) - top);
     q[j] = e;
     total += e;
   }
   const float inv = 1.0f / total;
   float cdf = 0.0f;
   uint pick = K;
-  uint last = K - 1;
-  bool any = false;
+  uint last = arg;
   for (uint j = 0; j < K; ++j) {
     const float p = q[j] * inv;
     q[j] = p;
@@ -66,11 +71,7 @@ inline uint dflash_walk_step(Row row, float temperature, float u, device float* 
     }
     if (p > 0.0f) {
       last = j;
-      any = true;
     }
-  }
-  if (!any) {
-    last = K - 1;
   }
   return metal::min(pick, last);
 }

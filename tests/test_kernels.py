@@ -398,9 +398,9 @@ def test_dispatch_uses_the_twins_without_metal(monkeypatch):
 @pytest.mark.skipif(mx.metal.is_available(), reason="checks the failure path a missing back-end takes")
 def test_self_check_failure_warns_once_naming_the_kernel_and_is_reported(monkeypatch):
     monkeypatch.setattr(kernels, "_checks", {})
-    with pytest.warns(RuntimeWarning, match="'dynamic_conv'.*No Metal back-end"):
+    with pytest.warns(RuntimeWarning, match=r"dynamic_conv\[T=float32.*failed to run.*No Metal back-end"):
         result = kernels.self_check("dynamic_conv")
-    assert not result.passed and "No Metal back-end" in result.detail
+    assert not result.passed and "No Metal back-end" in result.detail and result.failure == "failed to run"
     import warnings
 
     with warnings.catch_warnings():
@@ -433,9 +433,10 @@ def test_doctor_reports_every_kernel(capsys):
 
     report = run_doctor()
     printed = capsys.readouterr().out
-    assert [r["kernel"] for r in report] == list(kernels.KERNEL_NAMES)
+    assert [r["kernel"] for r in report] == [k for k in kernels.KERNEL_NAMES
+                                             for _ in kernels.production_launches(k)]
     for r in report:
-        assert r["kernel"] in printed and r["path"] in printed
+        assert r["variant"] in printed and r["path"] in printed
         if not mx.metal.is_available():
             assert r["path"] in ("reference (no Metal back-end)",
                                  f"reference (forced by {kernels.FORCE_REFERENCE_ENV})")
@@ -506,9 +507,10 @@ def test_metal_dispatch_self_checks_and_differentiates(monkeypatch):
     gpu_default()
     monkeypatch.delenv(kernels.FORCE_REFERENCE_ENV, raising=False)
     for k in kernels.KERNEL_NAMES:
-        check = kernels.self_check(k)
-        assert check.passed, check.detail
-        assert kernels.active_path(k) == "metal"
+        for launch in kernels.production_launches(k):
+            check = kernels.self_check(k, launch)
+            assert check.passed, f"{check.variant} {check.failure}: {check.detail}"
+            assert kernels.active_path(k, launch) == "metal"
     x, dyn, base = CONV_CASES["fp32 T=16 batch (2,3)"]
     g = mx.grad(lambda a: (kernels.dynamic_conv(a, dyn, base) ** 2).sum())(x)
     w = mx.grad(lambda a: (dynamic_conv_reference(a, dyn, base) ** 2).sum())(x)
@@ -535,19 +537,231 @@ def broken(src, old, new):
                                 src.source.replace(old, new), src.header.replace(old, new))
 
 
+def emulated_checks(key, src=None):
+    """Self-check every production variant of ``key`` through the emulator (one program
+    for all of them); returns one SelfCheck-like (passed, detail) per variant."""
+    src = src or kernels.SOURCES[key]
+    variants = [(launch, kernels.CHECK_CASES[key](launch)) for launch in kernels.production_launches(key)]
+    launches = [case.launch for _, cases in variants for case in cases]
+    outs = iter(emulate_many(src, launches, seeds=(0,)))
+    return [(launch, "; ".join(p for p in (case.judge(next(outs), case.want) for case in cases) if p))
+            for launch, cases in variants]
+
+
 @needs_gxx
-def test_self_checks_pass_on_the_emulated_kernels_and_catch_broken_ones():
-    emulated = lambda key, launch: emulate(kernels.SOURCES[key], launch)
-    for key in kernels.KERNEL_NAMES:
-        assert kernels._SELF_CHECKS[key](run=emulated) == "", key
-    mutants = {
-        # the previous position's tap dropped
-        "dynamic_conv": broken(CONV, "static_cast<C>(tap1) * prev", "static_cast<C>(0.0f) * prev"),
-        # ties to the highest index instead of the lowest
-        "path_selector": broken(SELECT, "if (row[j] > best)", "if (row[j] >= best)"),
-        # sampling by "cdf >= u"
-        "path_walk": broken(WALK, "cdf > u", "cdf >= u - 0.05f"),
-    }
-    for key, src in mutants.items():
-        detail = kernels._SELF_CHECKS[key](run=lambda _, launch, src=src: emulate(src, launch))
-        assert detail, f"the {key} self-check missed a broken kernel"
+@pytest.mark.parametrize("key", kernels.KERNEL_NAMES)
+def test_self_check_passes_on_every_production_variant_emulated(key):
+    checked = emulated_checks(key)
+    assert len(checked) >= 3
+    for launch, detail in checked:
+        assert detail == "", kernels.describe(kernels.variant(key, launch))
+
+
+def test_production_variants_cover_what_production_dispatches():
+    sel = [kernels.variant("path_selector", launch) for launch in kernels.production_launches("path_selector")]
+    bindings = {b for _, _, bs in sel for b in bs}
+    assert {"device uint32*", "device int32*", "constant int32*", "constant float32*",
+            "constant float32&", "device bfloat16*", "device float16*"} <= bindings
+    templates = [dict(t) for _, t, _ in sel]
+    assert any(t["K"] == 16 and t["NT"] == 256 and t["R"] == 256 for t in templates)
+    conv = [dict(t) for _, t, _ in (kernels.variant("dynamic_conv", launch)
+                                   for launch in kernels.production_launches("dynamic_conv"))]
+    assert any(t["T"] == "bfloat16" and t["TAP"] == "float32" and t["H"] > 256 for t in conv)
+    # The drafter's own call: no batch dimension, argpartition's uint32 candidates.
+    from dflash2_mlx.selector import top_candidates
+
+    logits = mx.random.normal((4, 300), key=mx.random.key(1))
+    cand, unary = top_candidates(logits, 16)
+    launch = kernels.selector_launch(unary, cand, mx.zeros((4, 256)), mx.array(5),
+                                     mx.zeros((300, 256)), mx.zeros((300, 256)), 0.7, mx.zeros((4,)))
+    assert kernels.variant("path_selector", launch) in sel
+
+
+@needs_gxx
+def test_self_check_catches_broken_variants_and_says_how():
+    # Ties to the highest index: every selector variant disagrees.
+    bad = broken(SELECT, "if (x > top)", "if (x >= top)")
+    assert all(detail for _, detail in emulated_checks("path_selector", bad))
+    # A conv that rounds the taps to half: only the fp32 variants notice.
+    bad = broken(CONV, "const TAP tap0 = ", "const TAP tap0 = (TAP)(half)")
+    flagged = {tuple(v for _, v in kernels.variant("dynamic_conv", launch)[1][:2]): bool(d)
+               for launch, d in emulated_checks("dynamic_conv", bad)}
+    assert flagged[("float32", "float32")] and not flagged[("float16", "float16")]
+    # Through check_variant: a compile failure and a disagreement are told apart.
+    launch = kernels.production_launches("path_walk")[0]
+    run_bad = lambda key, l: emulate(broken(WALK, "cdf > u", "cdf >= u - 0.05f"), l)
+    r = kernels.check_variant("path_walk", launch, run=run_bad)
+    assert not r.passed and r.failure == "disagreed" and "path (T=0.7)" in r.detail
+    run_broken = lambda key, l: emulate(broken(WALK, "cdf > u", "cdf > u +"), l)
+    r = kernels.check_variant("path_walk", launch, run=run_broken)
+    assert not r.passed and r.failure == "failed to compile" and "K=16 L=4" in r.variant
+
+
+def test_self_check_warns_per_variant_and_falls_back_per_variant(monkeypatch):
+    monkeypatch.setattr(kernels, "_checks", {})
+    good, bad = kernels.production_launches("path_walk")[:2]
+    fail = kernels.SelfCheck("path_walk", False, "RuntimeError: boom", "v", "failed to run")
+    monkeypatch.setattr(kernels, "check_variant",
+                        lambda key, launch: fail if launch is bad else kernels.SelfCheck(key, True))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.self_check("path_walk", good).passed
+    with pytest.warns(RuntimeWarning, match="kernel v failed to run.*for this variant"):
+        assert not kernels.self_check("path_walk", bad).passed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not kernels.self_check("path_walk", bad).passed  # cached: no second warning
+    monkeypatch.setattr(kernels, "metal_usable", lambda: True)
+    monkeypatch.setattr(kernels, "reference_forced", lambda: False)
+    assert kernels._kernel_launch("path_walk", lambda: good) is good
+    assert kernels._kernel_launch("path_walk", lambda: bad) is None
+
+
+# ---- NaN rows and sampling boundaries ---------------------------------------------------
+
+
+def nan_rows():
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        [nan, 1, 2, 0],      # NaN first: argmax skips it
+        [1, nan, 2, 2],      # NaN in the middle, tied maximum after it
+        [nan, nan, nan, nan],
+        [-inf, -inf, -inf, -inf],
+        [nan, -inf, nan, -inf],
+        [3, inf, 1, inf],    # +inf: greedy even when sampling
+        [0.5, -inf, nan, 0.25],
+    ]
+    scores = mx.array(rows, dtype=mx.float32)  # [T, K]: every predecessor row the same
+    return mx.broadcast_to(scores[:, None, :], (len(rows), 4, 4))
+
+
+@needs_gxx
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_nan_rows_walk_the_same_in_kernel_and_twin(temp):
+    scores = nan_rows()
+    u = mx.full((scores.shape[0],), 0.6)
+    (path, q), = emulate_many(WALK, [kernels.walk_launch(scores, temp, u)], seeds=(0, 1))
+    want_path, want_q = walk_reference(scores, temp, u)
+    assert path.tolist() == want_path.tolist()
+    assert mx.allclose(q, want_q, atol=1e-6, equal_nan=True).item()
+    assert not mx.isnan(q).any().item() and (q.sum(-1) == 1).all().item()
+    expect = [2, 2, 0, 0, 0, 1, 0] if temp == 0 else [None, None, 0, 0, 0, 1, None]
+    for got, e in zip(path.tolist(), expect):
+        assert e is None or got == e
+    # NaN counts as -inf: never picked when a number is there, even when sampling.
+    assert path.tolist()[0] != 0 and path.tolist()[-1] in (0, 3)
+
+
+def test_path_comparison_tolerates_only_boundary_flips():
+    q = mx.array([[[0.25, 0.25, 0.5, 0.0]]])
+    u = mx.array([[0.5]])  # exactly at the boundary between candidates 1 and 2
+    want_path = mx.array([[2]])
+    assert kernels.path_problem("T=1", mx.array([[1]]), q, want_path, q, u, 1.0) == ""
+    assert "not at a sampling boundary" in kernels.path_problem("T=1", mx.array([[0]]), q, want_path, q, u, 1.0)
+    far = mx.array([[0.5 + 10 * kernels.BOUNDARY_TOL]])
+    assert kernels.path_problem("T=1", mx.array([[1]]), q, want_path, q, far, 1.0)
+    assert kernels.path_problem("T=0", mx.array([[1]]), q, want_path, q, u, 0.0)  # greedy: exact
+    assert "q (T=1)" in kernels.path_problem("T=1", want_path, q * 0.5, want_path, q, u, 1.0)
+
+
+# ---- FMA contraction in the conv ------------------------------------------------------
+
+
+@needs_gxx
+@pytest.mark.skipif("fma" not in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else True,
+                    reason="needs a CPU with FMA")
+def test_conv_with_fma_contraction_stays_within_one_ulp_of_the_twin():
+    names = [n for n in CONV_CASES if n != "fp16 near overflow"]
+    launches = [kernels.conv_launch(*CONV_CASES[n]) for n in names]
+    outs = emulate_many(CONV, launches, extra_flags=("-O2", "-mfma", "-ffp-contract=fast"))
+    differ = 0
+    for n, (got,) in zip(names, outs):
+        want = dynamic_conv_reference(*CONV_CASES[n])
+        assert kernels.conv_problem(got, *CONV_CASES[n]) == "", n
+        differ += mx.sum(got != want).item()
+    assert differ > 0  # contraction really happened: the exact match is not promised
+
+
+# ---- the emulator rejects what real Metal would break on -----------------------------------
+
+
+def toy_launch(n=64, groups=1, inputs=None):
+    return kernels.Launch(inputs=inputs or [mx.arange(n * groups, dtype=mx.float32)], template=[("N", n)],
+                          grid=(n * groups, 1, 1), threadgroup=(n, 1, 1), output_shapes=[(n * groups,), (1,)],
+                          output_dtypes=[mx.float32, mx.float32])
+
+
+def toy_kernel(source, header=""):
+    return kernels.KernelSource("toy", ("x",), ("y", "total"), source, header)
+
+
+SUM_AFTER_BARRIER = """
+const uint i = thread_position_in_grid.x;
+y[i] = x[i] * 2.0f;
+metal::threadgroup_barrier(FLAGS);
+if (i == 0) {
+  float s = 0.0f;
+  for (uint j = 0; j < N; ++j) s += y[j];
+  total[0] = s;
+}
+"""
+
+BROKEN_KERNELS = {
+    "memory fence missing": (SUM_AFTER_BARRIER.replace("FLAGS", "metal::mem_flags::mem_none"), "",
+                             "without mem_flags::mem_device"),
+    "threadgroup-only fence": (SUM_AFTER_BARRIER.replace("FLAGS", "metal::mem_flags::mem_threadgroup"), "",
+                               "without mem_flags::mem_device"),
+    "lost update": ("const uint i = thread_position_in_grid.x;\ny[i] = x[i];\ntotal[0] = total[0] == total[0] ? "
+                    "total[0] + x[i] + 1.0f : x[i] + 1.0f;\n", "", "data race"),
+    "two threadgroups write one element": ("const uint i = thread_position_in_grid.x;\ny[i] = x[i];\n"
+                                           "if (thread_position_in_threadgroup.x == 0) total[0] = x[i] + 1.0f;\n",
+                                           "", "data race"),
+    "barriers at different call sites": (
+        "const uint i = thread_position_in_grid.x;\ny[i] = x[i];\n"
+        "if (i % 2) {\n  metal::threadgroup_barrier(metal::mem_flags::mem_device);\n} else {\n"
+        "  metal::threadgroup_barrier(metal::mem_flags::mem_device);\n}\n"
+        "if (i == 0) total[0] = y[1];\n", "", "wait at different barriers"),
+    "constant data bound to a device pointer": (
+        "const uint i = thread_position_in_grid.x;\ny[i] = first(x);\nif (i == 0) total[0] = 0.0f;\n",
+        "inline float first(const device float* p) { return p[0]; }\n", "invalid conversion"),
+    "device data bound to a constant pointer": (
+        "const uint i = thread_position_in_grid.x;\ny[i] = first(x);\nif (i == 0) total[0] = 0.0f;\n",
+        "inline float first(const constant float* p) { return p[0]; }\n", "invalid conversion"),
+    "clash with MLX's prelude": ("const uint i = thread_position_in_grid.x;\ny[i] = ceildiv(i, 2u);\n"
+                                 "if (i == 0) total[0] = 0.0f;\n",
+                                 "inline uint ceildiv(uint a, uint b) { return (a + b - 1) / b; }\n",
+                                 "clash with MLX's Metal prelude"),
+    "double": ("const uint i = thread_position_in_grid.x;\ndouble d = x[i];\ny[i] = d;\nif (i == 0) total[0] = 0.0f;\n",
+               "", "poisoned"),
+    "std::": ("const uint i = thread_position_in_grid.x;\ny[i] = std::sqrt(x[i]);\nif (i == 0) total[0] = 0.0f;\n",
+              "", "poisoned"),
+    "variable-length array": ("const uint i = thread_position_in_grid.x;\nfloat tmp[i + 1];\ntmp[0] = x[i];\n"
+                              "y[i] = tmp[0];\nif (i == 0) total[0] = 0.0f;\n", "", "variable length array"),
+}
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(BROKEN_KERNELS))
+def test_emulator_rejects_broken_kernel(name):
+    source, header, message = BROKEN_KERNELS[name]
+    groups = 2 if "threadgroups" in name else 1
+    n = 8 if "constant data" in name else 64
+    inputs = [mx.arange(4, dtype=mx.float32)] if "constant data" in name else None
+    launch = toy_launch(n, groups, inputs)
+    if inputs:  # 4 inputs, 8 threads: the kernel reads x[0] only
+        launch.output_shapes = [(n,), (1,)]
+    with pytest.raises((RuntimeError, ValueError, AssertionError), match=message):
+        emulate_many(toy_kernel(source, header), [launch], seeds=(0, 1))
+
+
+@needs_gxx
+def test_emulator_passes_the_fixed_kernels_and_rejects_oversized_threadgroups():
+    (y, total), = emulate_many(toy_kernel(SUM_AFTER_BARRIER.replace("FLAGS", "metal::mem_flags::mem_device")),
+                               [toy_launch()], seeds=(0, 1))
+    assert total.item() == 2 * sum(range(64))
+    ok = "const uint i = thread_position_in_grid.x;\ny[i] = x[i];\nif (i == 0) total[0] = 1.0f;\n"
+    big = toy_launch(2048)
+    with pytest.raises(ValueError, match="exceeds Metal's 1024"):
+        emulate_many(toy_kernel(ok), [big])

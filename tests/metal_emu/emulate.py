@@ -15,6 +15,7 @@ out of bounds aborts the run), and returns the outputs as MLX arrays.
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -158,13 +159,18 @@ def _case_code(src, launch, i: int) -> str:
     gx, gy, gz = launch.grid
     tx, ty, tz = _group_dims(launch)
     barriers = "threadgroup_barrier" in src.source
+    n_in, sizes = len(launch.inputs), _sizes(launch)
+    threads = gx * gy * gz
+    races = sum(sizes[n_in:]) * threads <= RACE_TRACKING_BUDGET
     return "\n".join([
         f"namespace case_{i} {{",
         metal_source(src, launch, metal=False),
         *lines,
+        f"static const size_t sizes[] = {{{', '.join(map(str, sizes))}}};",
         "int run(void** bufs, unsigned seed) {",
         f"  return emu_launch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, "
-        f"{'true' if barriers else 'false'}, seed, [&](const EmuThread& emu_t) {{",
+        f"{'true' if barriers else 'false'}, seed, emu_outputs(bufs, {n_in}, {len(sizes)}, sizes), "
+        f"{'true' if races else 'false'}, [&](const EmuThread& emu_t) {{",
         f"    {name}{targs}(",
         "      " + ",\n      ".join(args) + ");",
         "  });",
@@ -182,57 +188,49 @@ def _sizes(launch) -> list:
 def cpp_program(src, launches) -> str:
     """One executable for several launches of one kernel: `prog CASE SEED files...`."""
     cases = [_case_code(src, launch, i) for i, launch in enumerate(launches)]
-    table = []
-    for i, launch in enumerate(launches):
-        sizes = _sizes(launch)
-        table.append(f"  {{case_{i}::run, {len(launch.inputs)}, {len(sizes)}, "
-                     f"{{{', '.join(map(str, sizes))}}}}},")
-    most = max(len(_sizes(launch)) for launch in launches)
+    table = [f"  {{case_{i}::run, {len(launch.inputs)}, {len(_sizes(launch))}, case_{i}::sizes}},"
+             for i, launch in enumerate(launches)]
     return "\n".join([
         '#include "metal_shim.h"',
+        f"#pragma GCC poison {' '.join(METAL_FORBIDDEN)}",
         *cases,
-        "struct EmuCase { int (*run)(void**, unsigned); int n_in, n_buf; size_t sizes[%d]; };" % most,
         "static const EmuCase emu_cases[] = {",
         *table,
         "};",
-        "int main(int argc, char** argv) {",
-        "  // argv: case, seed, input files..., output files...",
-        "  const EmuCase& c = emu_cases[std::atoi(argv[1])];",
-        "  unsigned seed = (unsigned)std::strtoul(argv[2], nullptr, 10);",
-        "  std::vector<void*> bufs(c.n_buf);",
-        "  for (int i = 0; i < c.n_buf; ++i) {",
-        "    bufs[i] = std::malloc(c.sizes[i] ? c.sizes[i] : 1);  // exact size: ASan sees overruns",
-        "    if (i < c.n_in) {",
-        '      FILE* f = std::fopen(argv[3 + i], "rb");',
-        "      if (!f || std::fread(bufs[i], 1, c.sizes[i], f) != c.sizes[i]) return 3;",
-        "      std::fclose(f);",
-        "    } else {",
-        "      std::memset(bufs[i], 0xFF, c.sizes[i]);  // unwritten outputs read as NaN / -1",
-        "    }",
-        "  }",
-        "  int rc = c.run(bufs.data(), seed);",
-        "  if (rc) return rc;",
-        "  for (int i = c.n_in; i < c.n_buf; ++i) {",
-        '    FILE* f = std::fopen(argv[3 + i], "wb");',
-        "    if (!f || std::fwrite(bufs[i], 1, c.sizes[i], f) != c.sizes[i]) return 4;",
-        "    std::fclose(f);",
-        "  }",
-        "  for (void* b : bufs) std::free(b);",
-        "  return 0;",
-        "}",
+        "int main(int argc, char** argv) { return emu_main(argc, argv, emu_cases); }",
         "",
     ])
 
 
+# C++ that Metal rejects (MSL specification, "C++ features not supported"): poisoned for
+# the kernel text; variable-length arrays are errors (-Werror=vla).
+METAL_FORBIDDEN = ("double", "std", "new", "delete", "throw", "try", "catch", "goto",
+                   "virtual", "typeid", "dynamic_cast", "thread_local", "register")
+# Race tracking compares every output byte after each thread's run: skip it where that
+# would compare more than this many bytes (the published-size conv).
+RACE_TRACKING_BUDGET = 10**9
+MAX_THREADS_PER_THREADGROUP = 1024  # Metal's limit on every Apple GPU
 CXXFLAGS = ["-std=c++17", "-O0", "-g0", "-ffp-contract=off", "-fno-fast-math",
-            "-fsanitize=address", "-Wall",
+            "-Werror=vla", "-fsanitize=address", "-Wall",
             "-Wno-unused-variable", "-Wno-sign-compare", "-Wno-unused-but-set-variable"]
 
 
-def compile_program(program: str) -> Path:
-    """Compile (cached by source hash) and return the executable's path."""
+def _gxx(args, work, program):
+    res = subprocess.run([os.environ.get("CXX", "g++"), *args, f"-I{HERE}", "kernel.cpp"],
+                         cwd=work, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"g++ failed on the emulated kernel:\n{res.stderr}\n--- source ---\n{program}")
+
+
+def compile_program(program: str, extra_flags=()) -> Path:
+    """Compile (cached by source hash) and return the executable's path.
+
+    Two builds: the one that runs, with `constant` as `volatile`, and a syntax-only one
+    with `device` as `volatile`; between them any pointer bound across address spaces
+    drops a qualifier and fails, as it fails on Metal."""
     shim = (HERE / "metal_shim.h").read_text()
-    key = hashlib.sha256((program + shim + " ".join(CXXFLAGS)).encode()).hexdigest()[:20]
+    flags = [*CXXFLAGS, *extra_flags]
+    key = hashlib.sha256((program + shim + " ".join(flags)).encode()).hexdigest()[:20]
     CACHE.mkdir(parents=True, exist_ok=True)
     exe = CACHE / f"k_{key}"
     if exe.exists():
@@ -240,16 +238,62 @@ def compile_program(program: str) -> Path:
     work = Path(tempfile.mkdtemp(dir=CACHE))
     try:
         (work / "kernel.cpp").write_text(program)
-        res = subprocess.run(
-            [os.environ.get("CXX", "g++"), *CXXFLAGS, f"-I{HERE}", "kernel.cpp", "-o", "kernel"],
-            cwd=work, capture_output=True, text=True,
-        )
-        if res.returncode:
-            raise RuntimeError(f"g++ failed on the emulated kernel:\n{res.stderr}\n--- source ---\n{program}")
+        _gxx(["-std=c++17", "-Werror=vla", "-fsyntax-only", "-DEMU_DEVICE_IS_VOLATILE"], work, program)
+        _gxx([*flags, "-DEMU_CONSTANT_IS_VOLATILE", "-o", "kernel"], work, program)
         os.replace(work / "kernel", exe)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return exe
+
+
+# ---- what Metal would reject before the kernel runs ------------------------------------
+
+PRELUDE_HEADERS = ("utils.h", "bf16.h", "bf16_math.h", "complex.h", "defines.h", "logging.h")
+
+
+def _prelude_dir() -> Path:
+    return Path(mx.__file__).resolve().parent.parent / "mlx" / "include" / "mlx" / "backend" / "metal" / "kernels"
+
+
+def _top_level_names(text: str) -> set:
+    """Names declared at namespace scope (declarations starting in column 0, as
+    clang-format lays them out; good enough for MLX's headers and ours)."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+    names = set(re.findall(r"^(?:template\s*<[^>]*>\s*)?(?:struct|class|union|enum(?:\s+class)?)\s+(\w+)",
+                           text, flags=re.M))
+    names |= set(re.findall(r"^typedef\b[^;]*?\b(\w+)\s*;", text, flags=re.M))
+    names |= set(re.findall(r"^using\s+(\w+)\s*=", text, flags=re.M))
+    names |= set(re.findall(r"^(?:template\s*<[^>]*>\s*)?(?:[\w:<>,]+[\s*&]+)+(\w+)\s*[(=]", text, flags=re.M))
+    return names - {"operator", "if", "for", "while", "return"}
+
+
+def mlx_prelude() -> tuple:
+    """(macros, namespace-scope names) of the prelude MLX puts before every custom
+    kernel (``metal::utils()``: kernels/utils.h and what it includes), read from the
+    installed MLX's headers."""
+    d = _prelude_dir()
+    missing = [h for h in PRELUDE_HEADERS if not (d / h).exists()]
+    if missing:
+        raise FileNotFoundError(f"MLX's Metal prelude headers {missing} are not in {d}")
+    text = "\n".join((d / h).read_text() for h in PRELUDE_HEADERS)
+    return set(re.findall(r"^\s*#\s*define\s+(\w+)", text, flags=re.M)), _top_level_names(text)
+
+
+def check_metal_rules(src, launches) -> None:
+    """Reject what the Metal compiler or MLX would reject and g++ would accept: a
+    threadgroup above Metal's 1024 threads; a name that clashes with MLX's prelude
+    (a macro used anywhere, or a namespace-scope name the kernel's header declares again)."""
+    for launch in launches:
+        threads = int(np.prod(launch.threadgroup))
+        if threads > MAX_THREADS_PER_THREADGROUP:
+            raise ValueError(f"{src.name}: a threadgroup of {threads} threads exceeds Metal's "
+                             f"{MAX_THREADS_PER_THREADGROUP}")
+    macros, names = mlx_prelude()
+    words = set(re.findall(r"\b[A-Za-z_]\w*\b", src.header + src.source))
+    words |= {n for launch in launches for n, _ in launch.template}
+    clash = sorted((words & macros) | (_top_level_names(src.header) & names))
+    if clash:
+        raise ValueError(f"{src.name}: {clash} clash with MLX's Metal prelude (utils.h)")
 
 
 def _to_bytes(a: mx.array) -> bytes:
@@ -264,13 +308,14 @@ def _from_bytes(raw: bytes, shape, dtype) -> mx.array:
     return buf.view(dtype).reshape(shape)
 
 
-def emulate_many(src, launches, seeds=(0,)) -> list:
+def emulate_many(src, launches, seeds=(0,), extra_flags=()) -> list:
     """Run each launch of kernel ``src`` on the CPU, once per seed (thread orders).
 
     Returns, per launch, the outputs like the kernel's; raises if two seeds disagree
     bit for bit (the kernel would depend on thread order) or if a run fails.
     """
-    exe = compile_program(cpp_program(src, launches))
+    check_metal_rules(src, launches)
+    exe = compile_program(cpp_program(src, launches), extra_flags)
     results = []
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
@@ -300,6 +345,6 @@ def emulate_many(src, launches, seeds=(0,)) -> list:
     return results
 
 
-def emulate(src, launch, seed: int = 0) -> list:
+def emulate(src, launch, seed: int = 0, extra_flags=()) -> list:
     """Run one launch of kernel ``src`` on the CPU; returns the outputs like the kernel."""
-    return emulate_many(src, [launch], seeds=(seed,))[0]
+    return emulate_many(src, [launch], seeds=(seed,), extra_flags=extra_flags)[0]

@@ -2,14 +2,20 @@
 // kernels see it, to compile a kernel body as C++ and run its whole grid on the CPU.
 //
 // What it models:
-// - address spaces `device` / `constant` / `thread` (erased; the real compiler's
-//   address-space checks are not emulated);
+// - address spaces: `device` and `constant` become `volatile` one at a time (the build
+//   defines EMU_CONSTANT_IS_VOLATILE or EMU_DEVICE_IS_VOLATILE), so binding data of one
+//   space to a pointer of the other drops a qualifier and fails to compile, as on Metal;
 // - uint, uint3, MLX's dtype names (float16_t/half and bfloat16_t/bfloat) with
 //   round-to-nearest-even conversions and per-operation rounding, as on the GPU and
 //   in MLX's CPU ops;
 // - the metal:: functions the kernels use (exp, max, min, numeric_limits);
 // - threadgroup_barrier, by running each threadgroup's threads as fibers that all
-//   reach the barrier before any passes it (see emu_launch below).
+//   reach the same barrier call site before any passes it; a barrier must fence device
+//   memory (the only memory threads share here);
+// - races: every output byte a thread changes is attributed to it, and two threads
+//   changing one byte without a barrier between them (or from two threadgroups) fail;
+// - the whole program after this header is compiled with Metal's missing C++ features
+//   poisoned (double, std::, new, exceptions, goto, virtual...), see EMU_POISON.
 // What it refuses: threadgroup memory and SIMD-group functions are not defined, so a
 // kernel that uses them fails to compile here instead of being emulated unfaithfully.
 #pragma once
@@ -23,8 +29,15 @@
 #include <vector>
 #include <ucontext.h>
 
+#if defined(EMU_CONSTANT_IS_VOLATILE)
 #define device
+#define constant volatile
+#elif defined(EMU_DEVICE_IS_VOLATILE)
+#define device volatile
 #define constant
+#else
+#error "define EMU_CONSTANT_IS_VOLATILE or EMU_DEVICE_IS_VOLATILE"
+#endif
 #define thread
 
 typedef unsigned int uint;
@@ -42,15 +55,20 @@ struct uint3 {
 struct half {
   uint16_t bits;
   half() = default;
+  half(const half&) = default;
+  half(const volatile half& o) : bits(o.bits) {}  // reads through constant / device pointers
+  half& operator=(const half&) = default;
+  void operator=(const half& o) volatile { bits = o.bits; }
   explicit half(float f) {
     _Float16 h = static_cast<_Float16>(f);  // round to nearest even
     std::memcpy(&bits, &h, 2);
   }
   explicit half(int v) : half(static_cast<float>(v)) {}
   explicit half(uint v) : half(static_cast<float>(v)) {}
-  operator float() const {
+  operator float() const volatile {
     _Float16 h;
-    std::memcpy(&h, &bits, 2);
+    const uint16_t b = bits;
+    std::memcpy(&h, &b, 2);
     return static_cast<float>(h);
   }
 };
@@ -58,6 +76,10 @@ struct half {
 struct bfloat {
   uint16_t bits;
   bfloat() = default;
+  bfloat(const bfloat&) = default;
+  bfloat(const volatile bfloat& o) : bits(o.bits) {}  // reads through constant / device pointers
+  bfloat& operator=(const bfloat&) = default;
+  void operator=(const bfloat& o) volatile { bits = o.bits; }
   explicit bfloat(float f) {
     // MLX's float_to_bfloat_bits: NaN stays a quiet NaN, otherwise round to nearest even.
     uint32_t u;
@@ -71,7 +93,7 @@ struct bfloat {
   }
   explicit bfloat(int v) : bfloat(static_cast<float>(v)) {}
   explicit bfloat(uint v) : bfloat(static_cast<float>(v)) {}
-  operator float() const {
+  operator float() const volatile {
     uint32_t u = static_cast<uint32_t>(bits) << 16;
     float f;
     std::memcpy(&f, &u, 4);
@@ -124,6 +146,7 @@ inline float log(float x) { return std::log(x); }
 inline float abs(float x) { return std::fabs(x); }
 inline bool isnan(float x) { return std::isnan(x); }
 inline bool isinf(float x) { return std::isinf(x); }
+inline bool isfinite(float x) { return std::isfinite(x); }
 // Metal's fmax/fmin semantics for max/min on floats: a NaN operand yields the other.
 inline float max(float a, float b) { return std::fmax(a, b); }
 inline float min(float a, float b) { return std::fmin(a, b); }
@@ -133,8 +156,11 @@ inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
-void threadgroup_barrier(mem_flags);
+// The default argument records the caller's line: the barrier's call site (two
+// barriers on one line count as one).
+void threadgroup_barrier(mem_flags, int line = __builtin_LINE());
 
 }  // namespace metal
 
@@ -160,6 +186,9 @@ struct Fiber {
   std::vector<char> stack;
   bool done = false;
   bool at_barrier = false;
+  int site_line = 0;
+  uint group = 0;  // index of its threadgroup in the launch
+  uint id = 0;     // 1 + linear index of the thread in the grid
   EmuThread ids;
 };
 
@@ -168,6 +197,8 @@ inline Fiber* g_current = nullptr;
 inline bool g_fibers = false;
 inline void (*g_trampoline)(const void*, const EmuThread&) = nullptr;
 inline const void* g_body = nullptr;
+inline const char* g_error = nullptr;  // set by a thread, reported by the launch
+inline char g_message[512];
 
 inline void fiber_entry() {
   Fiber* f = g_current;
@@ -199,28 +230,100 @@ void shuffle(std::vector<T>& v, Rng& rng) {
 
 inline uint umin(uint a, uint b) { return a < b ? a : b; }
 
+// Which thread last changed each output byte, and in which barrier interval of its
+// group. Kept by comparing the outputs with a shadow copy after each run of a thread
+// (until it finishes or reaches a barrier), so writes of an unchanged value are not seen.
+struct Buffer {
+  char* data;
+  size_t size;
+};
+
+struct RaceTracker {
+  std::vector<Buffer> outs;
+  std::vector<std::vector<char>> shadow;
+  std::vector<std::vector<uint32_t>> owner, stamp, group;
+  bool on = false;
+
+  void start(const std::vector<Buffer>& buffers, bool enabled) {
+    outs = buffers;
+    on = enabled;
+    if (!on) return;
+    for (const Buffer& b : outs) {
+      shadow.emplace_back(b.data, b.data + b.size);
+      owner.emplace_back(b.size, 0u);
+      stamp.emplace_back(b.size, 0u);
+      group.emplace_back(b.size, 0u);
+    }
+  }
+
+  // After thread `id` of group `g` ran in interval `now`: attribute its changes.
+  bool after(uint id, uint g, uint now) {
+    if (!on) return true;
+    for (size_t k = 0; k < outs.size(); ++k) {
+      char* cur = outs[k].data;
+      char* old = shadow[k].data();
+      const size_t n = outs[k].size;
+      for (size_t c = 0; c < n; c += 64) {
+        const size_t len = n - c < 64 ? n - c : 64;
+        if (std::memcmp(cur + c, old + c, len) == 0) continue;
+        for (size_t i = c; i < c + len; ++i) {
+          if (cur[i] == old[i]) continue;
+          const uint32_t prev = owner[k][i];
+          if (prev != 0 && prev != id && (group[k][i] != g || stamp[k][i] == now)) {
+            std::snprintf(g_message, sizeof g_message,
+                          "emu: data race: threads %u and %u (threadgroups %u and %u) both "
+                          "changed byte %zu of output %zu without a barrier between them",
+                          prev - 1, id - 1, group[k][i], g, i, k);
+            return false;
+          }
+          owner[k][i] = id;
+          stamp[k][i] = now;
+          group[k][i] = g;
+          old[i] = cur[i];
+        }
+      }
+    }
+    return true;
+  }
+};
+
 }  // namespace emu_detail
 
-inline void metal::threadgroup_barrier(mem_flags) {
+inline void metal::threadgroup_barrier(mem_flags flags, int line) {
   using namespace emu_detail;
   if (!g_fibers) {
     std::fprintf(stderr, "emu: threadgroup_barrier outside a barrier-enabled launch\n");
     std::abort();
   }
   Fiber* f = g_current;
+  if (!(int(flags) & int(mem_flags::mem_device))) {
+    // Threads here share only device memory: a barrier that does not fence it leaves
+    // what one thread wrote before it unordered with what another reads after it.
+    g_error = "emu: threadgroup_barrier without mem_flags::mem_device: device memory "
+              "written before it is not guaranteed visible after it";
+  }
   f->at_barrier = true;
+  f->site_line = line;
   swapcontext(&f->ctx, &g_scheduler);
 }
 
 // Runs `body` once per thread of the grid (dispatchThreads semantics: the last
-// threadgroup along each axis may be partial, as MLX dispatches). Threadgroups run one
-// after another in an order shuffled by `seed`; inside a threadgroup the threads run in
-// a shuffled order, each until it finishes or reaches a barrier; a barrier releases
-// only when every thread of the group has reached it (a thread that finishes while
-// others wait at a barrier is reported as divergent-barrier UB, return code 2). So a
-// kernel whose result depends on thread order gives seed-dependent results.
+// threadgroup along each axis may be partial, as MLX dispatches), in orders shuffled by
+// `seed`, so a kernel whose result depends on thread order gives seed-dependent results.
+// Without barriers, threadgroups run one after another, their threads one by one. With
+// barriers, threads are fibers: each round runs every live thread until it finishes or
+// reaches a barrier; a barrier releases when every thread of its group waits at the same
+// call site. Small grids (at most EMU_INTERLEAVE threads) run all their threadgroups'
+// fibers interleaved in one shuffled pool; larger ones one group at a time.
+// Return codes: 2 divergent barrier, 5 a data race or a barrier that fences nothing.
+#ifndef EMU_INTERLEAVE
+#define EMU_INTERLEAVE 2048
+#endif
+
 template <typename Body>
-inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed, const Body& body) {
+inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
+                      const std::vector<emu_detail::Buffer>& outs, bool track_races,
+                      const Body& body) {
   using namespace emu_detail;
   uint64_t z = uint64_t(seed) + 0x9E3779B97F4A7C15ull;  // splitmix64 of the seed
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -236,36 +339,60 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed, const 
   g_body = &body;
   g_trampoline = [](const void* b, const EmuThread& t) { (*static_cast<const Body*>(b))(t); };
   g_fibers = barriers;
-  std::vector<Fiber> fibers;
-  for (const uint3& gp : order) {
-    uint3 size = {umin(tg.x, grid.x - gp.x * tg.x), umin(tg.y, grid.y - gp.y * tg.y),
-                  umin(tg.z, grid.z - gp.z * tg.z)};
+  g_error = nullptr;
+  g_message[0] = 0;
+  RaceTracker races;
+  races.start(outs, track_races);
+  const uint64_t total = uint64_t(grid.x) * grid.y * grid.z;
+  const size_t pool = barriers && total <= EMU_INTERLEAVE ? order.size() : 1;
+  uint stamp = 0;  // barrier intervals, numbered across the launch
+  for (size_t first = 0; first < order.size(); first += pool) {
     std::vector<EmuThread> threads;
-    for (uint z = 0; z < size.z; ++z)
-      for (uint y = 0; y < size.y; ++y)
-        for (uint x = 0; x < size.x; ++x) {
-          EmuThread t;
-          t.thread_position_in_threadgroup = {x, y, z};
-          t.threadgroup_position_in_grid = gp;
-          t.thread_position_in_grid = {gp.x * tg.x + x, gp.y * tg.y + y, gp.z * tg.z + z};
-          t.threads_per_threadgroup = size;
-          t.dispatch_threads_per_threadgroup = tg;
-          t.threads_per_grid = grid;
-          t.threadgroups_per_grid = groups;
-          t.thread_index_in_threadgroup = (z * size.y + y) * size.x + x;
-          threads.push_back(t);
-        }
-    shuffle(threads, rng);
+    std::vector<uint> group_of;
+    for (size_t gi = first; gi < first + pool && gi < order.size(); ++gi) {
+      const uint3& gp = order[gi];
+      uint3 size = {umin(tg.x, grid.x - gp.x * tg.x), umin(tg.y, grid.y - gp.y * tg.y),
+                    umin(tg.z, grid.z - gp.z * tg.z)};
+      for (uint z = 0; z < size.z; ++z)
+        for (uint y = 0; y < size.y; ++y)
+          for (uint x = 0; x < size.x; ++x) {
+            EmuThread t;
+            t.thread_position_in_threadgroup = {x, y, z};
+            t.threadgroup_position_in_grid = gp;
+            t.thread_position_in_grid = {gp.x * tg.x + x, gp.y * tg.y + y, gp.z * tg.z + z};
+            t.threads_per_threadgroup = size;
+            t.dispatch_threads_per_threadgroup = tg;
+            t.threads_per_grid = grid;
+            t.threadgroups_per_grid = groups;
+            t.thread_index_in_threadgroup = (z * size.y + y) * size.x + x;
+            threads.push_back(t);
+            group_of.push_back((gp.z * groups.y + gp.y) * groups.x + gp.x);
+          }
+    }
+    std::vector<size_t> perm(threads.size());
+    for (size_t i = 0; i < perm.size(); ++i) perm[i] = i;
+    shuffle(perm, rng);
+    auto linear = [&](const EmuThread& t) {
+      const uint3& p = t.thread_position_in_grid;
+      return uint((uint64_t(p.z) * grid.y + p.y) * grid.x + p.x + 1);
+    };
     if (!barriers) {
-      for (const EmuThread& t : threads) body(t);
+      ++stamp;
+      for (size_t i : perm) {
+        body(threads[i]);
+        if (!races.after(linear(threads[i]), group_of[i], stamp)) {
+          std::fprintf(stderr, "%s\n", g_message);
+          return 5;
+        }
+      }
       continue;
     }
-    fibers.resize(threads.size());
+    std::vector<Fiber> fibers(threads.size());
     for (size_t i = 0; i < threads.size(); ++i) {
       Fiber& f = fibers[i];
-      f.ids = threads[i];
-      f.done = false;
-      f.at_barrier = false;
+      f.ids = threads[perm[i]];
+      f.group = group_of[perm[i]];
+      f.id = linear(f.ids);
       f.stack.resize(1 << 16);
       getcontext(&f.ctx);
       f.ctx.uc_stack.ss_sp = f.stack.data();
@@ -276,6 +403,7 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed, const 
     std::vector<size_t> turn(fibers.size());
     for (size_t i = 0; i < turn.size(); ++i) turn[i] = i;
     for (;;) {
+      ++stamp;
       shuffle(turn, rng);
       for (size_t i : turn) {
         Fiber& f = fibers[i];
@@ -283,20 +411,85 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed, const 
         f.at_barrier = false;
         g_current = &f;
         swapcontext(&g_scheduler, &f.ctx);
+        if (g_error) {
+          std::fprintf(stderr, "%s\n", g_error);
+          return 5;
+        }
+        if (!races.after(f.id, f.group, stamp)) {
+          std::fprintf(stderr, "%s\n", g_message);
+          return 5;
+        }
       }
-      size_t done = 0, waiting = 0;
+      // Per threadgroup: all done, or all waiting at one call site.
+      bool all_done = true;
+      std::vector<size_t> done(order.size() + 1, 0), waiting(order.size() + 1, 0);
+      std::vector<const Fiber*> site(order.size() + 1, nullptr);
       for (const Fiber& f : fibers) {
-        done += f.done;
-        waiting += f.at_barrier && !f.done;
+        const size_t g = f.group;
+        if (f.done) {
+          ++done[g];
+          continue;
+        }
+        all_done = false;
+        ++waiting[g];
+        if (!site[g]) {
+          site[g] = &f;
+        } else if (site[g]->site_line != f.site_line) {
+          std::fprintf(stderr, "emu: threads of threadgroup %zu wait at different barriers "
+                       "(lines %d and %d)\n", g, site[g]->site_line, f.site_line);
+          return 2;
+        }
       }
-      if (done == fibers.size()) break;
-      if (done > 0 && waiting > 0) {
-        std::fprintf(stderr, "emu: %zu threads wait at a barrier that %zu finished threads never reached\n",
-                     waiting, done);
-        return 2;
+      for (size_t g = 0; g < done.size(); ++g) {
+        if (done[g] > 0 && waiting[g] > 0) {
+          std::fprintf(stderr, "emu: %zu threads wait at a barrier that %zu finished threads "
+                       "never reached\n", waiting[g], done[g]);
+          return 2;
+        }
       }
+      if (all_done) break;
     }
   }
   g_fibers = false;
   return 0;
+}
+
+// The harness's main (kept here, before the poisoned kernel code): `prog CASE SEED
+// input files... output files...`.
+struct EmuCase {
+  int (*run)(void**, unsigned);
+  int n_in, n_buf;
+  const size_t* sizes;
+};
+
+inline int emu_main(int argc, char** argv, const EmuCase* cases) {
+  const EmuCase& c = cases[std::atoi(argv[1])];
+  unsigned seed = (unsigned)std::strtoul(argv[2], nullptr, 10);
+  std::vector<void*> bufs(c.n_buf);
+  for (int i = 0; i < c.n_buf; ++i) {
+    bufs[i] = std::malloc(c.sizes[i] ? c.sizes[i] : 1);  // exact size: ASan sees overruns
+    if (i < c.n_in) {
+      FILE* f = std::fopen(argv[3 + i], "rb");
+      if (!f || std::fread(bufs[i], 1, c.sizes[i], f) != c.sizes[i]) return 3;
+      std::fclose(f);
+    } else {
+      std::memset(bufs[i], 0xFF, c.sizes[i]);  // unwritten outputs read as NaN / -1
+    }
+  }
+  int rc = c.run(bufs.data(), seed);
+  if (rc) return rc;
+  for (int i = c.n_in; i < c.n_buf; ++i) {
+    FILE* f = std::fopen(argv[3 + i], "wb");
+    if (!f || std::fwrite(bufs[i], 1, c.sizes[i], f) != c.sizes[i]) return 4;
+    std::fclose(f);
+  }
+  for (void* b : bufs) std::free(b);
+  return 0;
+}
+
+inline std::vector<emu_detail::Buffer> emu_outputs(void** bufs, int n_in, int n_buf,
+                                                   const size_t* sizes) {
+  std::vector<emu_detail::Buffer> out;
+  for (int i = n_in; i < n_buf; ++i) out.push_back({static_cast<char*>(bufs[i]), sizes[i]});
+  return out;
 }
