@@ -96,7 +96,8 @@ def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fo
     model, tokenizer, drafter = load(target, draft)
     if drafter.version != 2:
         raise ValueError("the conv and selector exist only in DFlash 2 drafters")
-    block_size = check_block_size(drafter, block_size)
+    # A fixed block: the adaptive default may decode plain and time no draft at all.
+    block_size = check_block_size(drafter, block_size or min(5, drafter.config.block_size))
     t = attach(model, drafter)
     ids = encode_prompt(tokenizer, prompt)
     params = SamplingParams(temp=temp)

@@ -1,0 +1,73 @@
+"""Where a DFlash cycle's time goes: a target pass over 1 and over b rows, the drafter
+pass, the propose step, and what is left of a real cycle (bookkeeping: rollback, draft
+context, history, host syncs), all measured on the pair at hand at one context length."""
+
+import time
+
+import mlx.core as mx
+
+from .drafter import propose
+from .sampling import SamplingParams
+from .speculative import speculative_generate_step
+from .target import attach
+
+
+def _ms(fn, n: int) -> float:
+    fn()
+    tic = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - tic) / n * 1e3
+
+
+def cycle_breakdown(model, drafter, prompt_ids, block_size: int = 5, repeats: int = 10,
+                    tokens: int = 64) -> dict:
+    """Milliseconds of each part of a greedy cycle at block ``block_size`` after
+    ``prompt_ids``, and their shares (see the module docstring)."""
+    target = attach(model, drafter)
+    ids = mx.array([prompt_ids])
+    cache = target.make_cache()
+    _, feats = target(ids, cache)
+    mx.eval(feats)
+
+    def target_pass(rows):
+        def run():
+            mx.eval(target(mx.array([[prompt_ids[-1]] * rows]), cache)[0])
+            for c in cache:
+                c.trim(rows)
+        return run
+
+    draft_cache = drafter.make_cache()
+    drafter.append_context(feats, draft_cache)
+    block = mx.array([[prompt_ids[-1]] + [drafter.config.mask_token_id] * (block_size - 1)])
+    hidden = drafter(block, draft_cache)
+    mx.eval(hidden)
+    greedy = SamplingParams()
+    out = {
+        "target_1": _ms(target_pass(1), repeats),
+        f"target_{block_size}": _ms(target_pass(block_size), repeats),
+        "drafter": _ms(lambda: mx.eval(drafter(block, draft_cache)), repeats),
+        "propose": _ms(lambda: mx.eval(propose(drafter, hidden, mx.array(prompt_ids[-1]), greedy)[0]), repeats),
+    }
+    # A real cycle: generation at a fixed block size, timed after the first token.
+    steps = speculative_generate_step(ids[0], target, drafter, max_tokens=tokens, block_size=block_size)
+    next(steps)
+    tic = time.perf_counter()
+    for *_, stats in steps:
+        pass
+    out["cycle"] = (time.perf_counter() - tic) / max(stats.cycles, 1) * 1e3
+    out["tau"] = stats.tau
+    parts = out[f"target_{block_size}"] + out["drafter"] + out["propose"]
+    out["bookkeeping"] = max(out["cycle"] - parts, 0.0)
+    out["draft_share"] = (out["drafter"] + out["propose"]) / out["target_1"]
+    out["bookkeeping_share"] = out["bookkeeping"] / out["cycle"]
+    out["cycle_vs_plain"] = out["cycle"] / out["target_1"]
+    return out
+
+
+def format_breakdown(b: dict, block_size: int = 5) -> str:
+    return (f"target pass 1 row {b['target_1']:.1f} ms, {block_size} rows {b[f'target_{block_size}']:.1f} ms; "
+            f"drafter {b['drafter']:.1f} ms + propose {b['propose']:.1f} ms = "
+            f"{b['draft_share']:.2f}x a 1-row pass; cycle {b['cycle']:.1f} ms "
+            f"({b['cycle_vs_plain']:.2f}x a plain step), bookkeeping {b['bookkeeping']:.1f} ms "
+            f"({100 * b['bookkeeping_share']:.1f}% of a cycle)")
