@@ -135,13 +135,14 @@ def _conv_finish(conv, y, dyn):
     return dynamic_conv_reference(y, dyn[..., 1, :, :], conv.base_kernel[1])
 
 
-def layer_forward(layer, h, ctx_keys, ctx_values, offsets, mask):
-    """``DecoderLayer.__call__`` with the conv's reference twin (differentiable anywhere)."""
+def layer_forward(layer, h, attend):
+    """``DecoderLayer.__call__`` with the conv's reference twin (differentiable anywhere);
+    ``attend(x)`` is the layer's attention over the blocks' context and own rows."""
     conv = "attention_conv" in layer
     x = layer.input_layernorm(h)
     if conv:
         x, dyn = _conv_prepare(layer.attention_conv, x)
-    a = layer.self_attn(x, ctx_keys, ctx_values, offsets, mask)
+    a = attend(x)
     h = h + (_conv_finish(layer.attention_conv, a, dyn) if conv else a)
     x = layer.post_attention_layernorm(h)
     if conv:
@@ -150,22 +151,74 @@ def layer_forward(layer, h, ctx_keys, ctx_values, offsets, mask):
     return h + (_conv_finish(layer.mlp_conv, m, dyn) if conv else m)
 
 
+def group_by_sequence(seq: np.ndarray, n_seqs: int):
+    """Slots [S, A] of the blocks of each sequence (A = most blocks of one sequence; a
+    padding slot repeats block 0), and where each block sits in the flattened slots."""
+    A = max(int(np.bincount(seq, minlength=n_seqs).max()), 1)
+    slots = np.zeros((n_seqs, A), np.int64)
+    where = np.zeros(len(seq), np.int64)
+    for s in range(n_seqs):
+        rows = np.nonzero(seq == s)[0]
+        slots[s, : rows.size] = rows
+        where[rows] = s * A + np.arange(rows.size)
+    return slots, where
+
+
+def grouped_mask(anchors: mx.array, lengths: mx.array, ctx_len: int, block_size: int,
+                 causal: bool, window: Optional[int]) -> mx.array:
+    """Boolean [S, 1, A*B, ctx_len + A*B] for the blocks of each sequence laid side by side
+    (anchors, lengths [S, A]): each block row sees ``attention_mask``'s context rows and
+    its own block's rows only."""
+    S, A = anchors.shape
+    B = block_size
+    ctx = attention_mask(anchors.reshape(-1), ctx_len, B, causal, window,
+                         lengths.reshape(-1))[:, 0, :, :ctx_len].reshape(S, A, B, ctx_len)
+    inner = mx.tril(mx.ones((B, B), dtype=mx.bool_)) if causal else mx.ones((B, B), dtype=mx.bool_)
+    same = mx.eye(A, dtype=mx.bool_)[:, None, :, None] & inner[None, :, None, :]  # [A, B, A, B]
+    own = same[None] & (mx.arange(B)[None, None, None, None, :] < lengths[:, :, None, None, None])
+    return mx.concatenate([ctx, own.reshape(S, A, B, A * B)], axis=-1).reshape(S, 1, A * B, -1)
+
+
+def grouped_attention(attn, x, ctx_k, ctx_v, offsets, mask, n_seqs: int):
+    """``Attention.__call__`` for blocks x [S*A, B, H] whose queries attend, per sequence,
+    to its context keys [S, kv, L, hd] and the rows of all its blocks under ``mask``: one
+    attention per sequence instead of one per block (no per-block copy of the context)."""
+    SA, B, _ = x.shape
+    A = SA // n_seqs
+
+    def side_by_side(t):  # [S*A, h, B, d] -> [S, h, A*B, d]
+        return t.reshape(n_seqs, A, t.shape[1], B, -1).transpose(0, 2, 1, 3, 4).reshape(
+            n_seqs, t.shape[1], A * B, -1)
+
+    q = attn.rope(attn.q_norm(attn._heads(x, attn.q_proj, attn.n_heads)), offset=offsets)
+    k, v = attn.keys_values(x, offsets)
+    k = mx.concatenate([ctx_k.astype(k.dtype), side_by_side(k)], axis=2)
+    v = mx.concatenate([ctx_v.astype(v.dtype), side_by_side(v)], axis=2)
+    out = mx.fast.scaled_dot_product_attention(side_by_side(q), k, v, scale=attn.scale, mask=mask)
+    out = out.reshape(n_seqs, attn.n_heads, A, B, -1).transpose(0, 2, 3, 1, 4).reshape(SA, B, -1)
+    return attn.o_proj(out)
+
+
 def block_forward(drafter, blocks: Blocks) -> mx.array:
     """Final-normed drafter states [N, B, H] of every block, under the training mask."""
     ctx = drafter.context(blocks.features)  # [S, L, H]
-    L = ctx.shape[1]
+    S, L = ctx.shape[:2]
     B = blocks.block_ids.shape[1]
-    h = drafter.embed(blocks.block_ids)
-    offsets = blocks.anchors.astype(mx.int32)
+    slots, where = group_by_sequence(np.array(blocks.seq), S)
+    flat = mx.array(slots.reshape(-1))
+    h = drafter.embed(blocks.block_ids[flat])  # [S*A, B, H]
+    offsets = blocks.anchors.astype(mx.int32)[flat]
+    lengths = mx.full((len(blocks.anchors),), B) if blocks.lengths is None else blocks.lengths
     masks = {}
     for layer in drafter.layers:
         key = (layer.causal, layer.window if layer.sliding else None)
         if key not in masks:
-            masks[key] = attention_mask(offsets, L, B, *key, lengths=blocks.lengths)
+            masks[key] = grouped_mask(offsets.reshape(slots.shape), lengths[flat].reshape(slots.shape),
+                                      L, B, *key)
         k, v = layer.self_attn.keys_values(ctx, 0)  # [S, kv, L, hd]
-        k, v = k[blocks.seq], v[blocks.seq]
-        h = layer_forward(layer, h, k, v, offsets, masks[key])
-    return drafter.norm(h)
+        h = layer_forward(layer, h, lambda x: grouped_attention(layer.self_attn, x, k, v, offsets,
+                                                                masks[key], S))
+    return drafter.norm(h[mx.array(where)])
 
 
 def selector_rows(drafter, logits, hidden, labels, anchor_ids):
