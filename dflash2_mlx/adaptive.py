@@ -98,10 +98,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - tic
 
 
-def calibrate(target, drafter, budget_s: float = 1.5, rounds: Tuple[int, int] = (2, 5)) -> CostModel:
+def calibrate(target, drafter, budget_s: float = 1.5, rounds: Tuple[int, int] = (1, 4)) -> CostModel:
     """Measure target passes over 1, 2 and B rows and drafter steps with blocks 2 and B
     at a short context, 1 and B rows at a long one, and fit ``base + slope * context``
-    per block size (others are interpolated).  Each point keeps its fastest of 2 to 5
+    per block size (others are interpolated).  Each point keeps its fastest of 1 to 4
     rounds (more while ``budget_s`` lasts), and a block never costs less than a smaller
     one: a burst of other work on the machine cannot make a large block look cheap."""
     from .drafter import propose
@@ -138,7 +138,7 @@ def calibrate(target, drafter, budget_s: float = 1.5, rounds: Tuple[int, int] = 
     sizes = sorted({2, B})
     points = ([(target_pass, b, short) for b in [1] + sizes] + [(target_pass, b, long) for b in {1, B}]
               + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
-    target_pass(B, short)  # warm-up
+    target_pass(1, short)  # warm-up
     best = {p: float("inf") for p in points}
     for r in range(rounds[1]):
         start = time.perf_counter()

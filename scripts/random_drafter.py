@@ -1,0 +1,23 @@
+"""A drafter that is never right, for the adaptive benchmark: the shipped DFlash 2 drafter's
+config (same shapes, same cost) with random weights, 8-bit like the shipped one.
+
+    python scripts/random_drafter.py /tmp/random-drafter
+    dflash2-mlx bench --model ~/.cache/dflash2_mlx/SmolLM2-135M-Instruct \\
+        --drafter-v2 /tmp/random-drafter --no-v1 --samples 1 --temp 0
+"""
+
+import sys
+
+import mlx.core as mx
+
+from dflash2_mlx.defaults import drafter_path
+from dflash2_mlx.drafter import Drafter
+from dflash2_mlx.loading import load_drafter, quantize, save_drafter
+
+if __name__ == "__main__":
+    config = load_drafter(str(drafter_path())).config
+    mx.random.seed(0)
+    drafter = Drafter(config)
+    quantize(drafter, 8, 64)
+    save_drafter(drafter, sys.argv[1])
+    print(sys.argv[1])
