@@ -71,7 +71,7 @@ def features(args):
 
 def use_feature_file(path):
     """Make the trainer read target features from ``path`` (written by ``features``)."""
-    from dflash2_mlx.train import trainer
+    from dflash2_mlx.train import features as features_mod
 
     saved = mx.load(str(path))
     table = {}
@@ -85,7 +85,8 @@ def use_feature_file(path):
         L = max(r.shape[0] for r in rows)
         return mx.stack([mx.pad(r, [(0, L - r.shape[0]), (0, 0)]) for r in rows]).astype(mx.float32)
 
-    trainer.target_features = cached
+    # batch_features (trainer.micro_batch) looks target_features up in the features module.
+    features_mod.target_features = cached
     return len(table)
 
 
