@@ -194,6 +194,14 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
     }
     warm_up(model, tokenizer, runs)
     report["config"]["adaptive_costs"] = _costs(model, runs)
+    if drafters:
+        from .profile import cycle_breakdown
+
+        first = next(iter(benches.values()))[0]
+        label = list(drafters)[-1]
+        bs = min(block_size or FIXED_BLOCK, drafters[label].config.block_size)
+        report["cycle"] = {"method": label, "block_size": bs,
+                           **cycle_breakdown(model, drafters[label], encode(tokenizer, first), bs)}
     tallies = {b: {t: {m: Tally() for m in methods} for t in temp_keys} for b in benches}
     tic = time.perf_counter()
     for bench, prompts in benches.items():
@@ -318,6 +326,12 @@ def markdown(report: dict) -> str:
                       + "; drafter step " + ", ".join(f"block {b} {1e3 * v[0]:.1f} +{1e6 * v[1]:.1f}"
                                                      for b, v in costs["drafter"].items())
                       + f"; calibrated in {costs['calibration_s']:.2f} s (cached per pair and machine)."]
+    cyc = report.get("cycle")
+    if cyc:
+        from .profile import format_breakdown
+
+        lines += ["", f"## Where a cycle's time goes ({cyc['method']}, block {cyc['block_size']}, T=0, "
+                  "first prompt)", "", format_breakdown(cyc, cyc["block_size"]) + "."]
     if report["mismatches"]:
         lines += ["", "## T=0 mismatches", "",
                   "| benchmark | prompt | method | first differing token | plain | method |",

@@ -82,6 +82,11 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
     md = (tmp_path / "bench.md").read_text()
     assert "T=0 parity: all 9 DFlash outputs are identical" in md and "MISMATCH" not in md
     assert "Block sizes chosen by the adaptive row" in md and "calibrated in" in md
+    # The cycle breakdown of the last drafter at the fixed block size, in the report.
+    cyc = report["cycle"]
+    assert cyc["method"] == "DFlash 2" and cyc["block_size"] == 4 and cyc["tau"] >= 1.0
+    assert all(cyc[k] > 0 for k in ("target_1", "target_4", "drafter", "propose", "cycle"))
+    assert cyc["bookkeeping"] >= 0 and "Where a cycle's time goes" in md
     assert json.loads((tmp_path / "bench.json").read_text())["methods"] == report["methods"]
 
 
