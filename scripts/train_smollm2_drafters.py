@@ -121,7 +121,7 @@ def train(args):
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=0.04, batch_size=args.batch_size,
                       max_anchors=args.max_anchors, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, keep=1, log_every=1,
-                      min_block_size=args.min_block_size)
+                      min_block_size=args.min_block_size, distill=args.distill)
     target, model, tokenizer = _target()
     init = args.init or initial_drafter(model, tokenizer, args.version, args.seed,
                                         Path(f"{args.out}-init"), args.data, args.draft_vocab)
@@ -248,6 +248,8 @@ def main():
     t.add_argument("--save-every", type=int, default=10)
     t.add_argument("--min-block-size", type=int, default=3,
                    help="Blocks train as served at a random size in [this, trained size].")
+    t.add_argument("--distill", type=float, default=1.0,
+                   help="Weight of the KL to the target's own next-token distribution (0: labels only).")
     t.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
                    help="Draft vocabulary size (most frequent data tokens); 0: the whole vocabulary.")
     t.add_argument("--init", default=None, help="Continue from this drafter checkpoint (a second phase) "

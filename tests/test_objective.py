@@ -115,6 +115,26 @@ def test_shorter_served_blocks_equal_inference_at_that_size(tiny, name):
         assert blocks.valid[n].tolist() == [1.0] * (b - 1) + [0.0] * (6 - b)
 
 
+def test_teacher_logits_are_the_targets_own(tiny, tmp_path):
+    """Distillation targets read from the features equal the target's real logits for
+    each label, and the KL term is zero when the drafter's rows equal them."""
+    root, model = tiny
+    make_drafter(tmp_path / "d", root / "target", version=2, block_size=4, target_layer_ids=(1, 3))
+    drafter, target = bound(tmp_path, model, "d")
+    blocks = batch(drafter, target, [0, 1], [3, 5])
+    norm = model.model.norm
+    teacher = O.teacher_logits(drafter, norm, blocks)
+    for n, (s, a) in enumerate([(0, 3), (1, 5)]):
+        logits = model(mx.array([SEQ[s]]))[0]
+        for k in range(3):
+            np.testing.assert_allclose(np.array(teacher[n, k]), np.array(logits[a + k]), rtol=1e-4, atol=1e-4)
+    assert float(O.distill_kl(teacher, teacher).max()) < 1e-6
+    blocks.teacher = teacher
+    total, m = O.loss(drafter, blocks, distill_weight=0.5)
+    plain, _ = O.loss(drafter, blocks)
+    assert float(m["kl"]) > 0 and float(total) == pytest.approx(float(plain) + 0.5 * float(m["kl"]), rel=1e-5)
+
+
 def test_loss_matches_hand_computation(tiny):
     root, model = tiny
     drafter, target = bound(root, model, "v2")

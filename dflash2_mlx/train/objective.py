@@ -57,6 +57,7 @@ class Blocks:
     labels: mx.array  # [N, B-1] true tokens at anchor+1..anchor+B-1
     valid: mx.array  # [N, B-1] 1.0 where the label lies inside the sequence (and the block)
     lengths: Optional[mx.array] = None  # [N] served block size of each block (None: B)
+    teacher: Optional[mx.array] = None  # [N, B-1, V'] the target's own logits for each label
 
 
 def sample_anchors(rng: np.random.Generator, starts: Sequence[int], lengths: Sequence[int],
@@ -258,8 +259,29 @@ def _ce(logits, target):
     return mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
 
 
-def loss(drafter, blocks: Blocks, selector_weight: float = 1.0):
-    """(total loss, metrics) of a batch of blocks."""
+def teacher_logits(drafter, final_norm, blocks: Blocks) -> mx.array:
+    """The target's own logits over the drafter's vocabulary for every label (the token at
+    anchor + k, predicted from the target's last layer at anchor + k - 1), read from the
+    features: the drafter's last tap must be the target's last layer."""
+    H = drafter.config.hidden_size
+    T = blocks.block_ids.shape[1] - 1
+    L = blocks.features.shape[1]
+    pos = mx.minimum(blocks.anchors[:, None] + mx.arange(T)[None, :], L - 1)
+    last = blocks.features[:, :, -H:][blocks.seq[:, None], pos]  # [N, T, H]
+    return mx.stop_gradient(drafter.logits(final_norm(last.astype(drafter.activation_dtype))))
+
+
+def distill_kl(teacher: mx.array, logits: mx.array) -> mx.array:
+    """KL(p_teacher || p_drafter) per row."""
+    lt = teacher - mx.logsumexp(teacher, axis=-1, keepdims=True)
+    ls = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return (mx.exp(lt) * (lt - ls)).sum(axis=-1)
+
+
+def loss(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_weight: float = 0.0):
+    """(total loss, metrics) of a batch of blocks.  With ``blocks.teacher``, the drafter's
+    rows also learn the target's whole next-token distribution (KL, ``distill_weight``):
+    far more signal per row than the one token of the label."""
     B = blocks.block_ids.shape[1]
     hidden = block_forward(drafter, blocks)[:, 1:]
     logits = drafter.logits(hidden)
@@ -273,6 +295,11 @@ def loss(drafter, blocks: Blocks, selector_weight: float = 1.0):
     metrics = {"ce": ce, "top1": right.sum() / mx.maximum(blocks.valid.sum(), 1.0),
                "top1_pos1": right[:, 0].sum() / mx.maximum(blocks.valid[:, 0].sum(), 1.0)}
     total = ce
+    if blocks.teacher is not None and distill_weight:
+        kl = (distill_kl(blocks.teacher, logits) * blocks.valid * position_weights(B)[None, :]).sum()
+        kl = kl / mx.maximum((blocks.valid * position_weights(B)[None, :]).sum(), 1e-9)
+        metrics["kl"] = kl
+        total = total + distill_weight * kl
     if drafter.version == 2:
         cand, rows = selector_rows(drafter, logits, hidden, blocks.labels, blocks.block_ids[:, 0])
         hit = cand == blocks.labels[..., None]

@@ -46,6 +46,7 @@ class TrainConfig:
     max_len: int = 1024  # tokens per sequence
     selector_weight: float = 1.0
     min_block_size: int = 0  # > 0: each block trains as served at a size in [this, block_size]
+    distill: float = 0.0  # > 0: weight of the KL to the target's own distribution (last tap = last layer)
     seed: int = 0
     save_every: int = 0  # 0: only the final checkpoint
     keep: int = 2  # periodic checkpoints kept
@@ -108,7 +109,14 @@ def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig, c
     lengths = None
     if cfg.min_block_size:
         lengths = rng.integers(min(cfg.min_block_size, c.block_size), c.block_size + 1, size=len(anchors))
-    return objective.make_blocks(tokens, feats, seq, anchors, c.block_size, c.mask_token_id, lengths)
+    blocks = objective.make_blocks(tokens, feats, seq, anchors, c.block_size, c.mask_token_id, lengths)
+    if cfg.distill:
+        if c.target_layer_ids[-1] != len(target.layers) - 1:
+            raise ValueError("distillation reads the target's last layer: make it the drafter's last tap")
+        from ..target import text_model
+
+        blocks.teacher = objective.teacher_logits(drafter, text_model(target.model).model.norm, blocks)
+    return blocks
 
 
 def save_checkpoint(drafter: Drafter, optimizer, state: TrainState, cfg: TrainConfig, path):
@@ -186,7 +194,8 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
     if cfg.feature_cache_gb > 0:
         meta = {"target": target_name, "layers": drafter.config.target_layer_ids, "max_len": cfg.max_len}
         cache = FeatureCache(out_dir / "features", int(cfg.feature_cache_gb * 2**30), meta)
-    step_fn = nn.value_and_grad(drafter, lambda b: objective.loss(drafter, b, cfg.selector_weight))
+    step_fn = nn.value_and_grad(drafter, lambda b: objective.loss(drafter, b, cfg.selector_weight,
+                                                                  cfg.distill))
 
     while state.step < cfg.steps:
         tic = time.perf_counter()
