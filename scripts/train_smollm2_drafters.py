@@ -20,6 +20,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 
@@ -91,7 +92,7 @@ def use_feature_file(path):
 
 
 def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
-                    draft_vocab: int = DRAFT_VOCAB) -> Path:
+                    draft_vocab: int = DRAFT_VOCAB, sliding_window: Optional[int] = None) -> Path:
     """A new drafter sized from the target (``SHAPE``) whose final norm weight starts as
     the target's final norm weight times 0.1.  Its states feed the target's LM head; with
     mlx's unit norm weights the first logits are huge (CE ~65 on SmolLM2, ~90 with the
@@ -105,7 +106,8 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
 
     V = model_args(model).vocab_size
     cfg = new_drafter_config(model, version=version, mask_token_id=default_mask_token_id(tokenizer, V),
-                             draft_vocab_size=draft_vocab or None, **SHAPE)
+                             draft_vocab_size=draft_vocab or None, sliding_window=sliding_window,
+                             **SHAPE)
     vocab = frequent_tokens(read_dataset(data), draft_vocab, V) if draft_vocab else None
     drafter = new_drafter(cfg, seed, draft_vocab=vocab)
     drafter.norm.weight = 0.1 * text_model(model).model.norm.weight
@@ -124,7 +126,8 @@ def train(args):
                       min_block_size=args.min_block_size, distill=args.distill)
     target, model, tokenizer = _target()
     init = args.init or initial_drafter(model, tokenizer, args.version, args.seed,
-                                        Path(f"{args.out}-init"), args.data, args.draft_vocab)
+                                        Path(f"{args.out}-init"), args.data, args.draft_vocab,
+                                        args.sliding_window)
     final = train_drafter(target, args.out, args.data, init=str(init), version=args.version,
                           config=cfg, **SHAPE)
     print(f"drafter: {final}")
@@ -248,6 +251,8 @@ def main():
     t.add_argument("--save-every", type=int, default=10)
     t.add_argument("--min-block-size", type=int, default=3,
                    help="Blocks train as served at a random size in [this, trained size].")
+    t.add_argument("--sliding-window", type=int, default=None,
+                   help="Every drafter layer reads only this many latest context rows (minus one).")
     t.add_argument("--distill", type=float, default=1.0,
                    help="Weight of the KL to the target's own next-token distribution (0: labels only).")
     t.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,

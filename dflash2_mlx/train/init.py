@@ -43,7 +43,8 @@ def new_drafter_config(target_model, *, version: int = 2, num_layers: int = 5,
                        num_target_features: int = 5, intermediate_size: Optional[int] = None,
                        selector_rank: int = 256, selector_top_k: int = 16,
                        conv_group_size: int = 16,
-                       draft_vocab_size: Optional[int] = None) -> DrafterConfig:
+                       draft_vocab_size: Optional[int] = None,
+                       sliding_window: Optional[int] = None) -> DrafterConfig:
     args = model_args(target_model)
     depth = len(target_model.layers)
     ids = target_layer_ids
@@ -72,6 +73,10 @@ def new_drafter_config(target_model, *, version: int = 2, num_layers: int = 5,
     )
     if draft_vocab_size:
         cfg["dflash_config"]["draft_vocab_size"] = int(draft_vocab_size)
+    if sliding_window:
+        # Every layer reads only the latest context rows: a fresh attention finds the
+        # rows that matter sooner, and a draft's cost stops growing with the context.
+        cfg.update(layer_types=["sliding_attention"] * num_layers, sliding_window=int(sliding_window))
     if version == 2:
         cfg["is_causal"] = False
         cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=conv_group_size,
