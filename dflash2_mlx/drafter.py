@@ -14,10 +14,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import sampling
+from . import kernels, sampling
 from .config import DrafterConfig
-from .conv import DynamicConv
-from .selector import CandidateSelector
+from .selector import top_candidates
 
 
 class Attention(nn.Module):
@@ -70,6 +69,67 @@ class MLP(nn.Module):
 
     def __call__(self, x):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DynamicConv(nn.Module):
+    """DFlash 2's two-tap dynamic conv around a sublayer (meaning: ``conv.py``).
+
+    ``prepare`` convolves the sublayer input (side 0) and keeps the dynamic taps,
+    ``finish`` convolves the sublayer output (side 1) with the taps computed from the same
+    input.  The base kernel starts as the identity (tap 0 = 1, tap 1 = 0) and the projection
+    at zero, so a fresh conv is an exact no-op and a v1 drafter can be warm-started."""
+
+    def __init__(self, hidden_size: int, group_size: int = 16, kernel_size: int = 2):
+        super().__init__()
+        if kernel_size != 2:
+            raise ValueError("DFlash 2's dynamic conv has exactly two taps")
+        self.hidden_size = hidden_size
+        self.group_size = group_size
+        base = mx.zeros((2, kernel_size, hidden_size))
+        self.base_kernel = base.at[:, 0, :].add(1.0)  # [side, tap, channel]
+        self.kernel_projection = nn.Linear(
+            hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False
+        )
+        self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
+
+    def _conv(self, x, dyn, side):
+        return kernels.dynamic_conv(x, dyn[..., side, :, :], self.base_kernel[side])
+
+    def prepare(self, u: mx.array):
+        dyn = self.kernel_projection(u)
+        dyn = dyn.reshape(*u.shape[:-1], 2, 2, self.hidden_size // self.group_size)
+        return self._conv(u, dyn, 0), dyn
+
+    def finish(self, y: mx.array, dyn: mx.array) -> mx.array:
+        return self._conv(y, dyn, 1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's path selector (meaning: ``selector.py``)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int = 256, top_k: int = 16):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = mx.random.normal((vocab_size, rank)) * rank**-0.5
+        # Zero successor codebook: scores start as the drafter's logits (v1 behaviour).
+        self.successor_codebook = mx.zeros((vocab_size, rank))
+
+    def __call__(self, logits, hidden, anchor, temperature=0.0, uniforms=None, vocab=None):
+        """Candidates (token ids), the walked path and its q rows for a drafted block.
+
+        logits: [..., T, V] at block positions 1..B-1; hidden: [..., T, H] the
+        final-normed drafter states at the same positions; anchor: [...]; vocab: the
+        token ids of the logits' columns when they cover a draft vocabulary.
+        Scoring and walking are one fused kernel on Metal (the twins elsewhere).
+        """
+        cand, unary = top_candidates(logits, self.top_k)
+        if vocab is not None:
+            cand = vocab[cand]
+        gate = self.hidden_projection(hidden)
+        _, path, q = kernels.select(unary, cand, gate, anchor, self.predecessor_codebook,
+                            self.successor_codebook, temperature, uniforms)
+        return cand, path, q
 
 
 class DecoderLayer(nn.Module):

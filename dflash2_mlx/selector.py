@@ -18,7 +18,6 @@ Walk rules, shared by the Metal kernel and this twin:
 """
 
 import mlx.core as mx
-import mlx.nn as nn
 
 
 def top_candidates(logits: mx.array, k: int):
@@ -74,31 +73,3 @@ def walk_reference(scores, temperature: float = 0.0, uniforms=None):
         qs.append(q)
         prev = idx
     return mx.stack(path, axis=-1), mx.stack(qs, axis=-2)
-
-
-class CandidateSelector(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int = 256, top_k: int = 16):
-        super().__init__()
-        self.top_k = top_k
-        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
-        self.predecessor_codebook = mx.random.normal((vocab_size, rank)) * rank**-0.5
-        # Zero successor codebook: scores start as the drafter's logits (v1 behaviour).
-        self.successor_codebook = mx.zeros((vocab_size, rank))
-
-    def __call__(self, logits, hidden, anchor, temperature=0.0, uniforms=None, vocab=None):
-        """Candidates (token ids), the walked path and its q rows for a drafted block.
-
-        logits: [..., T, V] at block positions 1..B-1; hidden: [..., T, H] the
-        final-normed drafter states at the same positions; anchor: [...]; vocab: the
-        token ids of the logits' columns when they cover a draft vocabulary.
-        Scoring and walking are one fused kernel on Metal (the twins elsewhere).
-        """
-        from .kernels import select
-
-        cand, unary = top_candidates(logits, self.top_k)
-        if vocab is not None:
-            cand = vocab[cand]
-        gate = self.hidden_projection(hidden)
-        _, path, q = select(unary, cand, gate, anchor, self.predecessor_codebook,
-                            self.successor_codebook, temperature, uniforms)
-        return cand, path, q

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dflash2_mlx.config import DrafterConfig
-from dflash2_mlx.conv import DynamicConv, dynamic_conv_reference
+from dflash2_mlx.conv import dynamic_conv_reference
+from dflash2_mlx.drafter import DynamicConv
 from dflash2_mlx.drafter import Drafter
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.selector import pair_scores_reference, walk_reference

@@ -765,3 +765,16 @@ def test_emulator_passes_the_fixed_kernels_and_rejects_oversized_threadgroups():
     big = toy_launch(2048)
     with pytest.raises(ValueError, match="exceeds Metal's 1024"):
         emulate_many(toy_kernel(ok), [big])
+
+
+def test_twins_import_nothing_of_the_kernels():
+    """One-way structure: the twins define meaning; dispatch (kernels.py) sits above them
+    and the drafter's modules call the dispatch."""
+    import ast
+    import importlib
+
+    for name in ("conv", "selector"):
+        tree = ast.parse(Path(importlib.import_module(f"dflash2_mlx.{name}").__file__).read_text())
+        imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any("kernels" in m or m.startswith("dflash2_mlx") or m == "" for m in imported), (name, imported)
