@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reproduce the drafters shipped for SmolLM2-135M-Instruct:
 #   dflash2_mlx/drafters/smollm2-135m-dflash2  (DFlash 2, the default drafter)
-#   dflash2_mlx/drafters/smollm2-135m-dflash1  (DFlash v1, same data, steps and seed: the comparison)
+#   dflash2_mlx/drafters/smollm2-135m-dflash1  (DFlash v1, same data, steps and seed: the comparison;
+#                                               the copy shipped now is still the earlier recipe's)
 #
 #   scripts/train_smollm2_drafters.sh [WORK_DIR]      (default: ~/.cache/dflash2-work)
 #
@@ -38,12 +39,13 @@ dflash2-mlx train --data-only --prompts prompts.jsonl --data data.jsonl --out ru
 [[ -f features.safetensors ]] || python "$T" features data.jsonl features.safetensors --max-len 448 --batch 8
 
 # 4. DFlash 2, then DFlash v1, on the same data, steps, batch and seed: 2 layers, block 8
-#    trained as served at random sizes 3..8, 8192-token draft vocabulary, AdamW lr 2e-3,
+#    trained as served at random sizes 3..8, 8192-token draft vocabulary, every layer reading
+#    the latest 63 context rows (sliding window 64), AdamW lr 2e-3,
 #    8 sequences x 32 anchors a step, labels plus the KL to the target's own next-token
 #    distribution read from the last tap (~3 s a step).
 for v in 2 1; do
     python "$T" train --version $v data.jsonl features.safetensors run-v$v --steps "$STEPS" --lr 2e-3 \
-        --batch-size 8 --max-anchors 32 --max-len 448 --seed 0 --save-every 25 --min-block-size 3 --distill 1 \
+        --batch-size 8 --max-anchors 32 --max-len 448 --seed 0 --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 \
         > train-v$v.log 2>&1
 done
 
