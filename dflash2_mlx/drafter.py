@@ -218,12 +218,15 @@ class Drafter(nn.Module):
         """Token ids of indices into ``logits``' last axis."""
         return idx if self.vocab is None else self.vocab[idx]
 
-    def full_rows(self, q: mx.array) -> mx.array:
-        """Rows over the draft vocabulary scattered into rows over the whole vocabulary."""
-        if self.vocab is None:
-            return q
+    def full_rows(self, q: mx.array, ids: mx.array = None) -> mx.array:
+        """Rows ``q`` over the token ids ``ids`` (default: the draft vocabulary) scattered
+        into rows over the whole vocabulary, zero elsewhere."""
+        if ids is None:
+            if self.vocab is None:
+                return q
+            ids = mx.broadcast_to(self.vocab, q.shape)
         out = mx.zeros((*q.shape[:-1], self.config.vocab_size), dtype=q.dtype)
-        return mx.put_along_axis(out, mx.broadcast_to(self.vocab, q.shape), q, axis=-1)
+        return mx.put_along_axis(out, ids, q, axis=-1)
 
     def logits(self, h: mx.array) -> mx.array:
         """Draft logits over the draft vocabulary (the whole vocabulary when there is none)."""
@@ -284,6 +287,4 @@ def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
     tokens = mx.take_along_axis(cand, path[:, None], axis=-1)[:, 0]
     if params.greedy:
         return tokens, None
-    q = mx.zeros((h.shape[0], drafter.config.vocab_size), dtype=mx.float32)
-    q = mx.put_along_axis(q, cand, rows, axis=-1)
-    return tokens, q
+    return tokens, drafter.full_rows(rows.astype(mx.float32), cand)

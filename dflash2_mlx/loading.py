@@ -119,9 +119,9 @@ def dequantize(drafter: Drafter):
 
 
 def check_draft_vocab(path, vocab: mx.array, vocab_size: int):
-    ids = vocab.tolist()
     if mx.issubdtype(vocab.dtype, mx.floating) or vocab.ndim != 1:
         raise CheckpointError(f"{path}: draft_vocab must be a 1-D integer tensor")
+    ids = vocab.tolist()
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise CheckpointError(f"{path}: draft_vocab holds ids outside the vocabulary (size {vocab_size}): {bad[:5]}")

@@ -296,8 +296,8 @@ def loss(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_weight: 
                "top1_pos1": right[:, 0].sum() / mx.maximum(blocks.valid[:, 0].sum(), 1.0)}
     total = ce
     if blocks.teacher is not None and distill_weight:
-        kl = (distill_kl(blocks.teacher, logits) * blocks.valid * position_weights(B)[None, :]).sum()
-        kl = kl / mx.maximum((blocks.valid * position_weights(B)[None, :]).sum(), 1e-9)
+        wk = position_weights(B)[None, :] * blocks.valid  # every label, in the vocabulary or not
+        kl = (distill_kl(blocks.teacher, logits) * wk).sum() / mx.maximum(wk.sum(), 1e-9)
         metrics["kl"] = kl
         total = total + distill_weight * kl
     if drafter.version == 2:
