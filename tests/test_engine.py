@@ -10,8 +10,7 @@ from dflash2_mlx.backend.engine import Engine, EngineError, PromptTooLong, Queue
 from dflash2_mlx.backend.pool import EnginePool, PoolBusy, UnknownModel
 from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
 from dflash2_mlx.backend.stops import StopMatcher
-from dflash2_mlx.backend.worker import worker
-from tiny_models import make_drafter, make_target, worker_reference
+from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 NO_EOS = {1: -100.0}  # the tiny tokenizer's <eos>: keeps long generations going
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "find a word",
@@ -30,7 +29,6 @@ def run(coro):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
-    on_worker = lambda fn, *a, **kw: worker().submit(fn, *a, **kw).result()  # noqa: E731
     target = on_worker(make_target, root / "models" / "tiny")
     drafter = on_worker(make_drafter, root / "drafter", target)
     other = on_worker(make_target, root / "models" / "other", seed=5)
@@ -203,7 +201,7 @@ def test_tools_reach_the_chat_template(models):
 
 def test_stop_frees_memory_and_refuses_work(models):
     _, target, drafter = models
-    active = lambda: worker().submit(mx.get_active_memory).result()  # noqa: E731
+    active = lambda: on_worker(mx.get_active_memory)  # noqa: E731
     before = active()
     e = Engine(target, draft=str(drafter))
     run(e.start())

@@ -8,14 +8,9 @@ import pytest
 
 from dflash2_mlx.backend.engine import Engine
 from dflash2_mlx.backend.settings import ModelSettings
-from dflash2_mlx.backend.worker import worker
-from tiny_models import make_drafter, make_target, worker_reference
+from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 NO_EOS = {1: -100.0}
-
-
-def on_worker(fn, *a, **kw):
-    return worker().submit(fn, *a, **kw).result()
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])

@@ -16,8 +16,7 @@ import pytest
 from openai import OpenAI
 
 from dflash2_mlx.backend.settings import SettingsStore
-from dflash2_mlx.backend.worker import worker
-from tiny_models import make_drafter, make_target, worker_reference
+from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: keeps long generations going
 CHAT = [{"role": "user", "content": "say hi"}]
@@ -66,7 +65,6 @@ def stop_server(proc):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
-    on_worker = lambda fn, *a, **kw: worker().submit(fn, *a, **kw).result()  # noqa: E731
     target = on_worker(make_target, root / "models" / "tiny")
     drafter = on_worker(make_drafter, root / "drafter", target)
     settings = root / "model_settings.json"

@@ -147,15 +147,21 @@ if __name__ == "__main__":
     print(out / "target", out / "drafter")
 
 
-def worker_reference(target_path, drafter_path):
-    """``dflash2_mlx.generate`` on a pair, run on the backend's MLX worker thread (MLX work
-    must stay on one thread): the reference the engine and the server are compared with."""
-    from dflash2_mlx import generate, load
+def on_worker(fn, *a, **kw):
+    """``fn(*a, **kw)`` on the backend's MLX worker thread (MLX work must stay on one thread)."""
     from dflash2_mlx.backend.worker import worker
 
-    model, tokenizer, drafter = worker().submit(load, str(target_path), str(drafter_path)).result()
+    return worker().submit(fn, *a, **kw).result()
+
+
+def worker_reference(target_path, drafter_path):
+    """``dflash2_mlx.generate`` on a pair, run on the backend's MLX worker thread: the
+    reference the engine and the server are compared with."""
+    from dflash2_mlx import generate, load
+
+    model, tokenizer, drafter = on_worker(load, str(target_path), str(drafter_path))
 
     def ref(prompt, **kw):
-        return worker().submit(generate, model, tokenizer, prompt, drafter, **kw).result()
+        return on_worker(generate, model, tokenizer, prompt, drafter, **kw)
 
     return ref
