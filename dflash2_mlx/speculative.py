@@ -5,7 +5,7 @@ drafter fills a block [anchor, MASK...] in one pass, the drafted tokens are prop
 (argmax / sample / selector walk), the target verifies the whole block in one pass, the
 accepted prefix plus the target's own next token is committed, the target cache is
 rolled back to that point and the draft context gets the committed tokens' features.
-A block of 1 is a plain decode step: no drafter pass.  Yields (token, logprobs,
+A block of 1 is a plain decode step: no drafter pass, and pipelined as mlx-lm's are.  Yields (token, logprobs,
 from_draft, stats) per token.
 """
 
@@ -94,16 +94,35 @@ def speculative_generate_step(
     anchor = int(sample(logprobs, params)[0].item())
     yield anchor, logprobs[0], False, stats
     emitted = 1
+    pending = None  # a plain step's (token, logprobs): computing, not read yet
 
-    while emitted < max_tokens:
+    while emitted + (pending is not None) < max_tokens:
         b = policy.block_size(history.size)
+        if b == 1:
+            # A plain decode step, pipelined as in mlx-lm: the next step's graph is built
+            # while this one computes, so reading a token never leaves the CPU idle.
+            token = pending[0] if pending is not None else mx.array([anchor])
+            logits, features = target(token[None], cache)
+            logprobs = processed_logprobs(logits[0], history, token, logits_processors)
+            step = (sample(logprobs, params), logprobs[0])
+            mx.async_eval(step)
+            context.add(features)
+            history = mx.concatenate([history, token])
+            policy.record(1, 0)
+            stats.record(1, 0, policy.fallback)
+            if pending is not None:
+                yield int(pending[0].item()), pending[1], False, stats
+                emitted += 1
+            pending = step
+            continue
+        if pending is not None:  # drafting resumes from the last plain step's token
+            anchor = int(pending[0].item())
+            yield anchor, pending[1], False, stats
+            emitted, pending = emitted + 1, None
         block = mx.array([[anchor] + [mask] * (b - 1)])
         # Draft + propose: one drafter pass, then per-position picks or the selector walk.
-        if b > 1:
-            hidden = drafter(block, context.fed())
-            draft, q = propose(drafter, hidden, mx.array(anchor), params)
-        else:
-            draft, q = mx.array([], dtype=mx.int32), None
+        hidden = drafter(block, context.fed())
+        draft, q = propose(drafter, hidden, mx.array(anchor), params)
         # Verify: one target pass over [anchor, d1 .. d_{B-1}].
         verify = mx.concatenate([mx.array([anchor]), draft.astype(mx.int32)])
         saved = snapshot(cache)
@@ -127,3 +146,5 @@ def speculative_generate_step(
             if emitted >= max_tokens:
                 return
         anchor = bonus
+    if pending is not None:
+        yield int(pending[0].item()), pending[1], False, stats

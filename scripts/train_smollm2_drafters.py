@@ -70,16 +70,18 @@ def features(args):
     print(f"{args.features}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, taps {ids}")
 
 
-def use_feature_file(path):
-    """Make the trainer read target features from ``path`` (written by ``features``)."""
+def use_feature_file(*paths):
+    """Make the trainer read target features from ``paths`` (written by ``features``; more
+    than one when the data grew after the first file was written)."""
     from dflash2_mlx.train import features as features_mod
 
-    saved = mx.load(str(path))
     table = {}
-    for k, v in saved.items():
-        if k.startswith("tokens."):
-            i = k.split(".", 1)[1]
-            table[tuple(v.tolist())] = saved[f"features.{i}"]
+    for path in paths:
+        saved = mx.load(str(path))
+        for k, v in saved.items():
+            if k.startswith("tokens."):
+                i = k.split(".", 1)[1]
+                table[tuple(v.tolist())] = saved[f"features.{i}"]
 
     def cached(target, seqs, pad_id=0):
         rows = [table[tuple(s)] for s in seqs]  # a KeyError means another dataset / max_len
@@ -118,7 +120,7 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
 def train(args):
     from dflash2_mlx.train import TrainConfig, train_drafter
 
-    n = use_feature_file(args.features)
+    n = use_feature_file(args.features, *args.more_features)
     print(f"{n} cached feature sequences", flush=True)
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=0.04, batch_size=args.batch_size,
                       max_anchors=args.max_anchors, max_len=args.max_len, seed=args.seed,
@@ -258,6 +260,8 @@ def main():
     t.add_argument("features")
     t.add_argument("out")
     t.add_argument("--version", type=int, required=True)
+    t.add_argument("--more-features", action="append", default=[],
+                   help="Another feature file (features of records added to DATA later)")
     t.add_argument("--steps", type=int, default=90)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--batch-size", type=int, default=4)
