@@ -33,6 +33,8 @@ PRIOR_WEIGHT = 2.0  # pseudo-cycles behind each prior rate
 SEED_WEIGHT = 4.0  # cycles a pair's history on this machine counts for at a request's start
 DECAY = 0.95  # evidence kept per drafted cycle
 PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backing off, at most
+PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
+CALIBRATION = 2  # bumped when calibrate() measures differently: older cost files are remeasured
 
 
 # --- the cost model -------------------------------------------------------------------
@@ -122,10 +124,17 @@ def calibrate(target, drafter, budget_s: float = 1.5, rounds: Tuple[int, int] = 
 
     def target_pass(b, n):
         cache = caches[n][0]
-        mx.eval(target(mx.zeros((1, b), dtype=mx.int32), cache))
+        if b == 1:  # plain steps run pipelined (speculative.py): time a chain of them
+            token = mx.zeros((1,), dtype=mx.int32)
+            for _ in range(PLAIN_RUN):
+                token = mx.argmax(target(token[None], cache)[0][0, -1:], axis=-1)
+                mx.async_eval(token)
+            mx.eval(token)
+        else:
+            mx.eval(target(mx.zeros((1, b), dtype=mx.int32), cache))
         for c in cache:
             if c.is_trimmable():
-                c.trim(b)
+                c.trim(PLAIN_RUN if b == 1 else b)
 
     def drafter_step(b, n):
         _, features, draft_cache = caches[n]
@@ -143,7 +152,8 @@ def calibrate(target, drafter, budget_s: float = 1.5, rounds: Tuple[int, int] = 
     for r in range(rounds[1]):
         start = time.perf_counter()
         for p in points:
-            best[p] = min(best[p], _timed(lambda: p[0](p[1], p[2])))
+            per = PLAIN_RUN if p[0] is target_pass and p[1] == 1 else 1
+            best[p] = min(best[p], _timed(lambda: p[0](p[1], p[2])) / per)
         now = time.perf_counter()
         if r + 1 >= rounds[0] and now + (now - start) - tic > budget_s:
             break
@@ -188,7 +198,7 @@ def machine_identity() -> dict:
 
 def cost_key(target, drafter) -> str:
     """Model identity (architecture, shapes and dtypes of every weight), machine."""
-    return _digest({"target": _shapes(target.model), "drafter": _shapes(drafter),
+    return _digest({"calibration": CALIBRATION, "target": _shapes(target.model), "drafter": _shapes(drafter),
                     "drafter_activations": str(drafter.activation_dtype),
                     "machine": machine_identity()})
 
