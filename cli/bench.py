@@ -22,6 +22,7 @@ def bench(
     samples: int = typer.Option(1, "--samples", "-n", help="Prompts drawn at random from each prompt set (1: about 7 minutes on a 2-core x86 CPU with OpenBLAS)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens generated per run."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Block size of the fixed-block rows (default 5, at most the drafters' trained size)."),
+    sweep: List[int] = typer.Option([], "--sweep", help="More fixed block sizes for the DFlash 2 drafter (repeat), to compare the adaptive row with the best fixed one."),
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="Add a row running the DFlash 2 drafter with adaptive speculation (block size auto)."),
     temps: List[float] = typer.Option([0.0, 1.0], "--temp", help="Temperatures; repeat."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target directory or hub id. Default: the built-in SmolLM2-135M-Instruct (then the drafters default to the shipped ones)."),
@@ -72,7 +73,7 @@ def bench(
     benches = sample_prompts(bench_files, samples, seed)
     try:
         report = run_bench(target, tokenizer, drafters, benches, temps=temps, max_tokens=max_tokens,
-                           block_size=block_size, adaptive=adaptive, seed=seed,
+                           block_size=block_size, adaptive=adaptive, seed=seed, sweep=sweep,
                            log=lambda s: typer.echo(s, err=True))
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)

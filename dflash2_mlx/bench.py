@@ -158,21 +158,39 @@ def warm_up(model, tokenizer, runs: Dict[str, tuple]):
         run_dflash(model, tokenizer, d, ids, 0.0, 4, block_size, 0)
 
 
-def dflash_runs(drafters: Dict[str, object], block_size: Optional[int], adaptive: bool) -> Dict[str, tuple]:
-    """{method: (drafter, block size)}: each drafter at the fixed block size, and the last
-    one (DFlash 2) with block size "auto" as "<label> adaptive"."""
+def dflash_runs(drafters: Dict[str, object], block_size: Optional[int], adaptive: bool,
+                sweep: Sequence[int] = ()) -> Dict[str, tuple]:
+    """{method: (drafter, block size)}: each drafter at the fixed block size, the last one
+    (DFlash 2) also at each ``sweep`` size as "<label> block b" and with block size "auto"
+    as "<label> adaptive"."""
     fixed = block_size or FIXED_BLOCK
     runs = {k: (d, min(fixed, d.config.block_size)) for k, d in drafters.items()}
-    if adaptive and drafters:
+    if drafters:
         label = list(drafters)[-1]
-        runs[f"{label} adaptive"] = (drafters[label], "auto")
+        for b in sorted(set(sweep) - {runs[label][1]}):
+            if not 1 <= b <= drafters[label].config.block_size:
+                raise ValueError(f"sweep block size {b} is impossible for the {label} drafter: "
+                                 f"use 1..{drafters[label].config.block_size}")
+            runs[f"{label} block {b}"] = (drafters[label], b)
+        if adaptive:
+            runs[f"{label} adaptive"] = (drafters[label], "auto")
     return runs
+
+
+def best_fixed(overall: dict, label: str, adaptive_run: str) -> Optional[tuple]:
+    """(best fixed-block method of ``label``, its tok/s, the adaptive row's tok/s / it)."""
+    fixed = {m: r["tokens_per_s"] for m, r in overall.items()
+             if (m == label or m.startswith(f"{label} block ")) and r["tokens_per_s"]}
+    if not fixed or not overall.get(adaptive_run, {}).get("tokens_per_s"):
+        return None
+    m = max(fixed, key=fixed.get)
+    return m, fixed[m], overall[adaptive_run]["tokens_per_s"] / fixed[m]
 
 
 def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, list], *,
               temps: Sequence[float] = (0.0, 1.0), max_tokens: int = 64,
               block_size: Optional[int] = None, adaptive: bool = True, seed: int = 0,
-              log: Optional[Callable[[str], None]] = None) -> dict:
+              sweep: Sequence[int] = (), log: Optional[Callable[[str], None]] = None) -> dict:
     """Run plain decoding and every drafter on every prompt at every temperature.
 
     ``drafters``: {label: Drafter}, run at ``block_size`` (default 5), the last also
@@ -180,7 +198,7 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
     from .train.data import encode
 
     say = log or (lambda s: None)
-    runs = dflash_runs(drafters, block_size, adaptive)
+    runs = dflash_runs(drafters, block_size, adaptive, sweep)
     methods = [PLAIN, *runs]
     temp_keys = [f"T={t:g}" for t in temps]
     report = {
@@ -319,6 +337,11 @@ def markdown(report: dict) -> str:
                   "| method | temperature | block sizes |", "|---|---|---|"]
         for m, t, hist in chosen:
             lines.append(f"| {m} | {t} | " + ", ".join(f"{b}: {c}" for b, c in hist.items()) + " |")
+        for m, t, _ in chosen:
+            best = best_fixed(overall[t], m[: -len(" adaptive")], m)
+            if best and len([x for x in methods if x.startswith(m[: -len(" adaptive")])]) > 2:
+                lines.append(f"\n{t}: {m} runs at {best[2]:.2f}x the best fixed block size "
+                             f"({best[0]}, {best[1]:.1f} tok/s).")
         costs = cfg.get("adaptive_costs")
         if costs:
             lines += ["", f"Cost model: target pass (ms at context 0, +ms per 1k tokens) "

@@ -165,3 +165,20 @@ def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
     assert report["methods"] == ["plain", "DFlash v1", "DFlash 2", "DFlash 2 adaptive"]
     assert report["mismatches"] == []
     assert "T=0 parity: all 15 DFlash outputs are identical" in r.stdout
+
+
+def test_sweep_rows_and_adaptive_vs_best_fixed(tiny):
+    root, model, tok = tiny
+    drafters = {"DFlash 2": load_drafter(str(root / "v2"))}
+    report = Bm.run_bench(model, tok, drafters, {"alpha": ["the cat sat on"]}, temps=(0.0,),
+                          max_tokens=8, block_size=4, sweep=(2, 4, 1))
+    assert report["methods"] == ["plain", "DFlash 2", "DFlash 2 block 1", "DFlash 2 block 2",
+                                 "DFlash 2 adaptive"]
+    overall = report["results"]["overall"]["T=0"]
+    assert overall["DFlash 2 block 2"]["block_sizes"] == {2: overall["DFlash 2 block 2"]["cycles"]}
+    best, tps, ratio = Bm.best_fixed(overall, "DFlash 2", "DFlash 2 adaptive")
+    assert tps == max(overall[m]["tokens_per_s"] for m in report["methods"][1:4])
+    assert ratio == pytest.approx(overall["DFlash 2 adaptive"]["tokens_per_s"] / tps)
+    assert f"the best fixed block size ({best}" in Bm.markdown(report)
+    with pytest.raises(ValueError, match="sweep block size 9 is impossible"):
+        Bm.dflash_runs(drafters, 4, True, sweep=(9,))
