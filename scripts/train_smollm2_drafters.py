@@ -125,7 +125,8 @@ def train(args):
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=0.04, batch_size=args.batch_size,
                       max_anchors=args.max_anchors, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, keep=1, log_every=1,
-                      min_block_size=args.min_block_size, distill=args.distill)
+                      min_block_size=args.min_block_size, distill=args.distill,
+                      stop_after=args.stop_after)
     target, model, tokenizer = _target()
     init = args.init or initial_drafter(model, tokenizer, args.version, args.seed,
                                         Path(f"{args.out}-init"), args.data, args.draft_vocab,
@@ -263,6 +264,8 @@ def main():
     t.add_argument("--more-features", action="append", default=[],
                    help="Another feature file (features of records added to DATA later)")
     t.add_argument("--steps", type=int, default=90)
+    t.add_argument("--stop-after", type=int, default=0,
+                   help="End after this many steps; the learning-rate schedule still spans --steps")
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--batch-size", type=int, default=4)
     t.add_argument("--max-anchors", type=int, default=32)

@@ -142,6 +142,23 @@ def test_checkpoint_round_trip_and_exact_resume(tiny, tmp_path):
     assert not np.array_equal(np.array(fresh["fc.weight"]), np.array(a["fc.weight"]))
 
 
+def test_stop_after_ends_a_longer_schedule_early(tiny, tmp_path):
+    """stop_after: the first part of a run whose learning rate spans ``steps`` (the weights
+    equal that run's own checkpoint at the same step), and the rest resumes from it."""
+    root, model, tok, records = tiny
+    cfg = small_config(model, tok)
+    _train(model, init.new_drafter(cfg, seed=0), records, tmp_path / "a", steps=4, save_every=2)
+    part = _train(model, init.new_drafter(cfg, seed=0), records, tmp_path / "b", steps=4,
+                  stop_after=2)
+    state = json.loads((tmp_path / "b/final/training_state/state.json").read_text())["state"]
+    assert state["step"] == 2 and [h["lr"] for h in state["history"]] == [
+        h["lr"] for h in json.loads((tmp_path / "a/final/training_state/state.json")
+                                    .read_text())["state"]["history"][:2]]
+    a = dict(tree_flatten(load_drafter(str(tmp_path / "a" / "step-000002")).parameters()))
+    for k, v in tree_flatten(part.parameters()):
+        assert np.array_equal(np.array(a[k]), np.array(v)), k
+
+
 def test_new_drafter_is_sized_from_the_target(tiny, tmp_path):
     root, model, tok, _ = tiny
     cfg = init.new_drafter_config(model, version=2, num_layers=3, block_size=10,

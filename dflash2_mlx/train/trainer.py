@@ -52,6 +52,7 @@ class TrainConfig:
     keep: int = 2  # periodic checkpoints kept
     log_every: int = 1
     feature_cache_gb: float = 0.0  # 0: features on the fly; else a disk cache under OUT/features
+    stop_after: int = 0  # > 0: end (final checkpoint) after this many steps of a schedule over ``steps``
 
 
 def schedule(cfg: TrainConfig):
@@ -197,7 +198,8 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
     step_fn = nn.value_and_grad(drafter, lambda b: objective.loss(drafter, b, cfg.selector_weight,
                                                                   cfg.distill))
 
-    while state.step < cfg.steps:
+    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
+    while state.step < end:
         tic = time.perf_counter()
         grads, sums, n = None, {}, 0
         for _ in range(cfg.grad_accum):
@@ -224,7 +226,7 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
         state.history.append(entry)
         if log and (state.step % cfg.log_every == 0 or state.step == cfg.steps):
             log(entry)
-        if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
+        if cfg.save_every and state.step % cfg.save_every == 0 and state.step < end:
             save_checkpoint(drafter, optimizer, state, cfg, out_dir / f"step-{state.step:06d}")
             _prune(out_dir, cfg.keep)
     state.rng = rng.bit_generator.state
