@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from dflash2_mlx.backend.settings import SettingsStore
-from tiny_models import make_drafter, make_target, on_worker, worker_reference
+from tiny_models import byte_chars, make_drafter, make_target, on_worker, worker_reference
 
 NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: keeps long generations going
 CHAT = [{"role": "user", "content": "say hi"}]
@@ -89,6 +89,13 @@ def client(server):
 
 def metrics(server) -> dict:
     return httpx.get(server["base"] + "/metrics").json()
+
+
+def loaded_stats(server) -> dict:
+    """/metrics of tiny, loaded first by a one-token request (so a test can run alone)."""
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    return metrics(server)["models"]["tiny"]
 
 
 def healthy(server):
@@ -286,7 +293,7 @@ def test_metrics_report_engine_stats(server):
 def test_prefix_cache_across_chat_turns(server, client, reference):
     """A second turn reuses the first one's caches: same text as generate(), cached tokens
     reported as OpenAI does, hits and bytes in /metrics."""
-    before = metrics(server)["models"]["tiny"]
+    before = loaded_stats(server)
     messages = [{"role": "user", "content": "tell me about the sea"}]
     first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -353,7 +360,7 @@ def test_bodies_that_are_not_json_text(server, kind, body, status, what):
 
 def test_setting_impossible_for_the_drafter_is_a_4xx_and_keeps_the_model(server, client):
     store = SettingsStore(server["settings"])
-    before = metrics(server)["models"]["tiny"]["requests"]
+    before = loaded_stats(server)["requests"]
     data = json.loads(server["settings"].read_text())
     data["models"]["tiny"]["dflash_block_size"] = 99  # written by hand: the CLI refuses it
     server["settings"].write_text(json.dumps(data))
@@ -425,3 +432,53 @@ def test_manager_edits_settings_file(server, client, reference):
     store.set("tiny", max_context_window=8)
     r = httpx.post(server["base"] + "/v1/completions", json={"model": "tiny", "prompt": "nine char"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def greedy_ids(target, messages, n: int):
+    """The first ``n`` token ids of the greedy reply of ``target`` to ``messages``, and its
+    tokenizer (run on the MLX worker thread)."""
+    from dflash2_mlx.generate import load, stream_generate
+
+    model, tokenizer, _ = load(str(target))
+    return [r.token for r in stream_generate(model, tokenizer, messages, max_tokens=n)], tokenizer
+
+
+def cut_inside_an_emoji(ids, tokenizer) -> int:
+    """The first max_tokens that ends on an emoji's lead piece after some clean text; 0 if none."""
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    for k in range(2, len(ids)):
+        clean = tokenizer.decode(ids[: k - 1])
+        if pieces[k - 1].startswith(byte_chars()[0xF0]) and "\ufffd" not in clean:
+            return k
+    return 0
+
+
+def all_four_replies(base: str, max_tokens: int) -> list:
+    """Chat and completion replies to the same prompt ids, each non-streaming and streaming."""
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = dict(model="emoji", messages=CHAT, max_tokens=max_tokens)
+    plain = dict(model="emoji", prompt="u:say hi.a:", max_tokens=max_tokens)  # the chat's rendered text
+    return [client.chat.completions.create(**chat).choices[0].message.content,
+            "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)),
+            client.completions.create(**plain).choices[0].text,
+            "".join(c.choices[0].text for c in client.completions.create(**plain, stream=True))]
+
+
+def test_reply_cut_inside_an_emoji_is_the_same_streaming_or_not(tmp_path):
+    """A byte-level tokenizer writes an emoji as two tokens; a max_tokens that ends between
+    them leaves the cut emoji out of the reply, streaming or not (no U+FFFD)."""
+    # Seed 2 (sharp logits): the tiny model's greedy reply has an emoji after some plain text.
+    target = on_worker(make_target, tmp_path / "models" / "emoji", seed=2, scale=4.0, byte_level=True)
+    ids, tokenizer = on_worker(greedy_ids, target, CHAT, 30)
+    cut = cut_inside_an_emoji(ids, tokenizer)
+    assert cut, tokenizer.convert_ids_to_tokens(ids)
+    clean, whole = tokenizer.decode(ids[: cut - 1]), tokenizer.decode(ids[: cut + 1])
+    assert clean and "\ufffd" not in whole and len(whole) == len(clean) + 1 and ord(whole[-1]) > 0xFFFF
+    assert tokenizer.decode(ids[:cut]).endswith("\ufffd")  # what max_tokens=cut leaves undecodable
+    proc, base = start_server(tmp_path, ["--model-dir", tmp_path / "models",
+                                         "--settings", tmp_path / "model_settings.json"])
+    try:
+        assert all_four_replies(base, cut) == [clean] * 4
+        assert all_four_replies(base, cut + 1) == [whole] * 4
+    finally:
+        stop_server(proc)

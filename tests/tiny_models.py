@@ -22,6 +22,17 @@ CHAT_TEMPLATE = (
 )
 
 
+def save_tokenizer(tok, path: Path):
+    """``tok`` (a tokenizers.Tokenizer) as a Hugging Face tokenizer directory with the specials."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>",
+        "chat_template": CHAT_TEMPLATE,
+    }))
+
+
 def write_tokenizer(path: Path, alphabet: str = ALPHABET, vocab_size: int = None):
     """A character-level tokenizer: specials, then one token per character."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -31,13 +42,45 @@ def write_tokenizer(path: Path, alphabet: str = ALPHABET, vocab_size: int = None
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>",
-        "chat_template": CHAT_TEMPLATE,
-    }))
+    save_tokenizer(tok, path)
+    return len(tokens)
+
+
+# Emoji byte-pieces of the byte-level tokenizer: a character U+1F000..U+1F7FF (emoji and
+# pictographs) is four UTF-8 bytes F0 9F xx yy, written as two tokens, a lead piece
+# (F0 9F xx) and a continuation byte (yy), so a reply cut by max_tokens can end inside one.
+EMOJI_BYTES = range(0x80, 0xA0)
+
+
+def byte_chars() -> dict:
+    """GPT-2's byte -> printable character table, as a ByteLevel tokenizer writes bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def write_byte_tokenizer(path: Path, alphabet: str = ALPHABET):
+    """A byte-level BPE tokenizer (mlx-lm streams it with its BPE detokenizer): specials,
+    one token per character of ``alphabet``, then emoji pieces; merges make an emoji encode
+    as its lead piece and its last byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    b = byte_chars()
+    lead = b[0xF0] + b[0x9F]
+    tokens = SPECIALS + [b[ord(c)] for c in alphabet if c not in ":"] + [b[ord(":")]]
+    tokens += [b[0xF0], b[0x9F], lead] + [b[x] for x in EMOJI_BYTES if x != 0x9F]
+    tokens += [lead + b[x] for x in EMOJI_BYTES]
+    merges = [(b[0xF0], b[0x9F])] + [(lead, b[x]) for x in EMOJI_BYTES]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    save_tokenizer(tok, path)
     return len(tokens)
 
 
@@ -72,10 +115,11 @@ def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
 
 
 def make_target(path, family: str = "qwen3", seed: int = 0, hidden: int = 64, layers: int = 4,
-                alphabet: str = ALPHABET, scale: float = 1.0):
-    """Write a random mlx-lm model directory of ``family`` with the char tokenizer."""
+                alphabet: str = ALPHABET, scale: float = 1.0, byte_level: bool = False):
+    """Write a random mlx-lm model directory of ``family`` with the char tokenizer (or, with
+    ``byte_level``, the byte-level one with emoji pieces)."""
     path = Path(path)
-    vocab = write_tokenizer(path, alphabet)
+    vocab = (write_byte_tokenizer if byte_level else write_tokenizer)(path, alphabet)
     config = target_config(family, vocab, hidden, layers)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
