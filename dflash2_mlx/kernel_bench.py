@@ -33,9 +33,12 @@ def bench_kernels(hidden: int = 5120, blocks=(5, 8), top_k: int = 16, rank: int 
                   vocab: int = 32768, batch: int = 1, group_size: int = 16,
                   dtype=mx.float32, repeats: int = 20, echo=print) -> list:
     """Time kernel vs twin for the conv (over the whole block) and the selector
-    (scores + greedy walk over the block's B-1 positions). Returns one dict per
-    (kernel, block): kernel, block, twin_ms, kernel_ms, ratio (twin / kernel);
-    kernel_ms and ratio are None where the kernels cannot run."""
+    (scores + greedy walk over the block's B-1 positions) in both layouts: fused (one
+    launch, one threadgroup per batch row) and split (``path_scores+path_walk``: scores
+    across threadgroups with codebook rows in threadgroup memory, then the walk; what
+    ``kernels.select`` runs at batch 1). Both selector rows time the same twin. Returns
+    one dict per (kernel, block): kernel, block, twin_ms, kernel_ms, ratio (twin /
+    kernel); kernel_ms and ratio are None where the kernels cannot run."""
     on_metal = kernels.metal_usable() and not kernels.reference_forced()
     if not on_metal:
         echo(f"twin only: {_why_twin_only()} (the kernels need Apple Silicon)")
@@ -55,27 +58,40 @@ def bench_kernels(hidden: int = 5120, blocks=(5, 8), top_k: int = 16, rank: int 
         gate = mx.random.normal((batch, T, rank), key=k[6]).astype(dtype)
         anchor = mx.zeros((batch,), dtype=mx.int32)
         mx.eval(A, B, base, x, dyn, cand, unary, gate)
+        selector_twin = lambda: walk_reference(pair_scores_reference(unary, cand, gate, anchor, A, B))
         cases = {
             "dynamic_conv": (
                 lambda: dynamic_conv_reference(x, dyn, base),
                 lambda: kernels.run_metal("dynamic_conv", kernels.conv_launch(x, dyn, base)),
             ),
             "path_selector": (
-                lambda: walk_reference(pair_scores_reference(unary, cand, gate, anchor, A, B)),
+                selector_twin,
                 lambda: kernels.run_metal(
                     "path_selector", kernels.selector_launch(unary, cand, gate, anchor, A, B)),
             ),
+            "path_scores+path_walk": (
+                selector_twin,
+                lambda: _split_selector(unary, cand, gate, anchor, A, B),
+            ),
         }
+        twin_times = {}  # one twin for both selector layouts: timed once
         for name, (twin, kernel) in cases.items():
-            twin_ms = _time_ms(twin, repeats)
+            if twin not in twin_times:
+                twin_times[twin] = _time_ms(twin, repeats)
+            twin_ms = twin_times[twin]
             kernel_ms = _time_ms(kernel, repeats) if on_metal else None
             ratio = twin_ms / kernel_ms if kernel_ms else None
             rows.append(dict(kernel=name, block=L, twin_ms=twin_ms, kernel_ms=kernel_ms, ratio=ratio))
             shown = (f"kernel {kernel_ms:.3f} ms  twin/kernel {ratio:.2f}x" if on_metal
                      else "kernel n/a")
-            echo(f"{name:<14} H={hidden} B={L} batch={batch} k={top_k} r={rank} {dtype}: "
+            echo(f"{name:<21} H={hidden} B={L} batch={batch} k={top_k} r={rank} {dtype}: "
                  f"twin {twin_ms:.3f} ms  {shown}")
     return rows
+
+
+def _split_selector(unary, cand, gate, anchor, A, B):
+    scores = kernels.run_metal("path_scores", kernels.scores_launch(unary, cand, gate, anchor, A, B))[0]
+    return kernels.run_metal("path_walk", kernels.walk_launch(scores))
 
 
 def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fox jumps over",

@@ -14,7 +14,11 @@ twins.  The first use of each kernel *variant* in a process (template values, in
 dtypes and address spaces: see ``variant``) checks it against its twin on inputs of the
 same shapes and dtypes; on a failure it warns once, naming the variant and saying whether
 it failed to compile, failed to run or disagreed, and that variant uses the twin from
-then on.  Gradients always come from the twin (``mx.custom_function`` with the twin's
+then on.  The selector has two layouts: fused (scores and walk in one launch, one
+threadgroup per batch row) and split (``path_scores`` across threadgroups with the
+codebook rows in threadgroup memory, then ``path_walk``), which ``select`` runs below
+SPLIT_BELOW_ROWS batch rows and falls back from, per variant, to the fused one.
+Gradients always come from the twin (``mx.custom_function`` with the twin's
 VJP), so training differentiates through the meaning, not the kernel.
 """
 
@@ -31,7 +35,7 @@ from .conv import dynamic_conv_reference
 from .selector import pair_scores_reference, walk_reference
 
 FORCE_REFERENCE_ENV = "DFLASH2_MLX_FORCE_REFERENCE"
-KERNEL_NAMES = ("dynamic_conv", "path_selector", "path_walk")
+KERNEL_NAMES = ("dynamic_conv", "path_selector", "path_scores", "path_walk")
 
 
 # ---- kernel sources ------------------------------------------------------------
@@ -97,6 +101,15 @@ def _sources() -> dict:
             source=sel["select"],
             header=sel["header"],
         ),
+        "path_scores": KernelSource(
+            name="dflash2_path_scores",
+            input_names=(
+                "unary", "cand", "gate", "anchor", "predecessor_codebook",
+                "successor_codebook",
+            ),
+            output_names=("scores",),
+            source=sel["scores"],
+        ),
         "path_walk": KernelSource(
             name="dflash2_path_walk",
             input_names=("scores", "temperature", "uniforms"),
@@ -156,9 +169,8 @@ def _walk_inputs(batch, L, temperature, uniforms):
     return temp, mx.broadcast_to(uniforms, (*batch, L)).astype(mx.float32)
 
 
-def selector_launch(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
-                    temperature=0.0, uniforms=None) -> Launch:
-    """Scores, path and q in one launch (see metal/path_selector.metal)."""
+def _selector_anchor(unary, cand, gate, anchor, predecessor_codebook, successor_codebook):
+    """Check the selector's shapes and dtypes; the anchor as one id per batch row."""
     *batch, L, K = cand.shape
     R = gate.shape[-1]
     V = predecessor_codebook.shape[0]
@@ -173,6 +185,15 @@ def selector_launch(unary, cand, gate, anchor, predecessor_codebook, successor_c
     anchor = mx.broadcast_to(mx.array(anchor), tuple(batch)).reshape(-1)
     if not mx.issubdtype(anchor.dtype, mx.integer):
         raise ValueError("anchor must be integer token ids")
+    return anchor
+
+
+def selector_launch(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
+                    temperature=0.0, uniforms=None) -> Launch:
+    """Scores, path and q in one launch (see metal/path_selector.metal)."""
+    *batch, L, K = cand.shape
+    R = gate.shape[-1]
+    anchor = _selector_anchor(unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
     temp, uniforms = _walk_inputs(batch, L, temperature, uniforms)
     nt = min(K * K, 256)
     return Launch(
@@ -184,6 +205,43 @@ def selector_launch(unary, cand, gate, anchor, predecessor_codebook, successor_c
         threadgroup=(nt, 1, 1),
         output_shapes=[(*batch, L, K, K), (*batch, L), (*batch, L, K)],
         output_dtypes=[mx.float32, mx.int32, mx.float32],
+    )
+
+
+# Metal's threadgroup memory per threadgroup on every Apple GPU (MTLDevice
+# maxThreadgroupMemoryLength); the scores kernel's two tiles must fit in it.
+MAX_THREADGROUP_MEMORY = 32768
+SCORE_THREADS = 256  # threads per threadgroup the scores kernel aims for
+RANK_TILE = 64  # rank columns staged per tile when memory allows
+
+
+def score_tiles(K: int, R: int) -> tuple:
+    """(AB, RT): predecessor rows per threadgroup (AB * K threads, at most SCORE_THREADS
+    unless K alone exceeds it) and rank columns per tile, the largest up to RANK_TILE whose
+    two padded float tiles, (AB + K) * (RT + 1) * 4 bytes, fit in threadgroup memory."""
+    if K > 1024:
+        raise ValueError(f"k {K} exceeds Metal's 1024 threads per threadgroup")
+    ab = min(K, max(1, SCORE_THREADS // K))
+    rt = min(R, RANK_TILE, MAX_THREADGROUP_MEMORY // (4 * (ab + K)) - 1)
+    return ab, rt
+
+
+def scores_launch(unary, cand, gate, anchor, predecessor_codebook, successor_codebook) -> Launch:
+    """Scores alone, split across threadgroups: one per (batch row, position, tile of
+    predecessor rows), with the codebook rows staged in threadgroup memory (see
+    metal/path_selector.metal, `scores`). ``walk_launch`` walks them."""
+    *batch, L, K = cand.shape
+    R = gate.shape[-1]
+    anchor = _selector_anchor(unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
+    ab, rt = score_tiles(K, R)
+    return Launch(
+        inputs=[unary, cand, gate, anchor, predecessor_codebook, successor_codebook],
+        template=[("K", K), ("R", R), ("L", L), ("AB", ab), ("RT", rt),
+                  ("AG", _promote(predecessor_codebook.dtype, gate.dtype))],
+        grid=(ab * K * -(-K // ab), L, _rows(batch)),
+        threadgroup=(ab * K, 1, 1),
+        output_shapes=[(*batch, L, K, K)],
+        output_dtypes=[mx.float32],
     )
 
 
@@ -444,29 +502,45 @@ def _walk_judge(label, temperature, uniforms, with_scores):
     return judge
 
 
-def _selector_cases(launch: Launch) -> list:
-    unary, cand, gate, anchor, A, B, _, uniforms = launch.inputs
+def _selector_check_args(inputs, ties: bool) -> dict:
+    """Selector inputs shaped and typed as ``inputs`` (a selector or scores launch's),
+    in quarters (exact scores in any order); ``ties``: pair terms zero, unary scores
+    in {0, 1, 2}."""
+    unary, cand, gate, anchor, A, B = inputs[:6]
     batch, V = cand.shape[:-2], max(64, 2 * cand.shape[-1])
     k = _keys(6)
+    return dict(
+        unary=(mx.round(mx.random.uniform(0, 2, unary.shape, key=k[0])) if ties
+               else _quarters(unary.shape, k[0])).astype(unary.dtype),
+        cand=mx.random.randint(0, V, cand.shape, key=k[1]).astype(cand.dtype),
+        gate=_quarters(gate.shape, k[2]).astype(gate.dtype),
+        anchor=mx.random.randint(0, V, batch, key=k[3]).astype(anchor.dtype),
+        predecessor_codebook=(mx.zeros((V, A.shape[1])) if ties
+                              else _quarters((V, A.shape[1]), k[4])).astype(A.dtype),
+        successor_codebook=_quarters((V, B.shape[1]), k[5]).astype(B.dtype),
+    )
+
+
+def _selector_cases(launch: Launch) -> list:
+    uniforms = launch.inputs[7]
+    u_key = _keys(6)[0]  # the unary's key, split 32 ways below: one stream per temperature
     cases = []
     for ties, temp in _WALKS:
-        args = dict(
-            unary=(mx.round(mx.random.uniform(0, 2, unary.shape, key=k[0])) if ties
-                   else _quarters(unary.shape, k[0])).astype(unary.dtype),
-            cand=mx.random.randint(0, V, cand.shape, key=k[1]).astype(cand.dtype),
-            gate=_quarters(gate.shape, k[2]).astype(gate.dtype),
-            anchor=mx.random.randint(0, V, batch, key=k[3]).astype(anchor.dtype),
-            predecessor_codebook=(mx.zeros((V, A.shape[1])) if ties
-                                  else _quarters((V, A.shape[1]), k[4])).astype(A.dtype),
-            successor_codebook=_quarters((V, B.shape[1]), k[5]).astype(B.dtype),
-        )
-        u = mx.random.uniform(shape=uniforms.shape, key=mx.random.split(k[0], 32)[int(temp * 10)])
+        args = _selector_check_args(launch.inputs, ties)
+        u = mx.random.uniform(shape=uniforms.shape, key=mx.random.split(u_key, 32)[int(temp * 10)])
         scores = pair_scores_reference(**args)
         label = f"T={temp}{' ties' if ties else ''}"
         cases.append(CheckCase(label, selector_launch(**args, temperature=temp, uniforms=u),
                                [scores, *walk_reference(scores, temp, u)],
                                _walk_judge(label, temp, u, with_scores=True)))
     return cases
+
+
+def _scores_cases(launch: Launch) -> list:
+    args = _selector_check_args(launch.inputs, ties=False)
+    want = [pair_scores_reference(**args)]
+    judge = lambda out, want: _exact_problem("scores", out[0], want[0])
+    return [CheckCase("exact", scores_launch(**args), want, judge)]
 
 
 def _walk_cases(launch: Launch) -> list:
@@ -484,7 +558,7 @@ def _walk_cases(launch: Launch) -> list:
 
 
 CHECK_CASES = {"dynamic_conv": _conv_cases, "path_selector": _selector_cases,
-               "path_walk": _walk_cases}
+               "path_scores": _scores_cases, "path_walk": _walk_cases}
 
 
 def _failure_kind(message: str) -> str:
@@ -542,7 +616,7 @@ def production_launches(key: str) -> list:
     blocks of 5 and 16; the selector with no batch dimension (anchor and uniforms then
     bind as `constant`), uint32 (argpartition) and int32 (draft vocabulary) candidates,
     k 16 (256 threads), rank 256, fp32 / bf16 / fp16 gate and codebooks; the walk alike;
-    and one batched launch of each."""
+    the split scores kernel alike (the batch-1 layout); and one batched launch of each."""
     f32, bf16, f16 = mx.float32, mx.bfloat16, mx.float16
     z = lambda shape, dt: mx.zeros(shape, dtype=dt)
     out = []
@@ -561,15 +635,17 @@ def production_launches(key: str) -> list:
                     if cd == mx.int32 and wd == f32:
                         out.append(walk_launch(z((T, K, K), f32), 0.7, z((T,), f32)))
                     continue
-                out.append(selector_launch(z((T, K), f32), z((T, K), cd), z((T, R), wd),
-                                           mx.array(0), z((V, R), wd), z((V, R), wd),
-                                           0.7, z((T,), f32)))
+                args = (z((T, K), f32), z((T, K), cd), z((T, R), wd), mx.array(0),
+                        z((V, R), wd), z((V, R), wd))
+                out.append(scores_launch(*args) if key == "path_scores"
+                           else selector_launch(*args, 0.7, z((T,), f32)))
     if key == "path_walk":
         out.append(walk_launch(z((3, 4, K, K), f32), 0.7, z((3, 4), f32)))
-    else:
-        out.append(selector_launch(z((3, 4, K), f32), z((3, 4, K), mx.int32), z((3, 4, R), f32),
-                                   z((3,), mx.int32), z((V, R), f32), z((V, R), f32),
-                                   0.7, z((3, 4), f32)))
+        return out
+    args = (z((3, 4, K), f32), z((3, 4, K), mx.int32), z((3, 4, R), f32), z((3,), mx.int32),
+            z((V, R), f32), z((V, R), f32))
+    out.append(scores_launch(*args) if key == "path_scores"
+               else selector_launch(*args, 0.7, z((3, 4), f32)))
     return out
 
 
@@ -657,7 +733,7 @@ def _dynamic_conv(x, dyn, base):
 
 
 def _scores_kernel(unary, cand, gate, anchor, pcb, scb):
-    return run_metal("path_selector", selector_launch(unary, cand, gate, anchor, pcb, scb))[0]
+    return run_metal("path_scores", scores_launch(unary, cand, gate, anchor, pcb, scb))[0]
 
 
 _scores = _with_twin_vjp(
@@ -666,7 +742,8 @@ _scores = _with_twin_vjp(
 
 
 def pair_scores(unary, cand, gate, anchor, predecessor_codebook, successor_codebook):
-    """All pair scores S[..., t, a, b] (see selector.pair_scores_reference)."""
+    """All pair scores S[..., t, a, b] (see selector.pair_scores_reference); on Metal the
+    split scores kernel, at any batch size (it has no walk to keep in one launch)."""
     args = (unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
     if _profile is not None:
         return _timed("path_selector", _pair_scores, *args)
@@ -675,7 +752,7 @@ def pair_scores(unary, cand, gate, anchor, predecessor_codebook, successor_codeb
 
 def _pair_scores(unary, cand, gate, anchor, predecessor_codebook, successor_codebook):
     args = (unary, cand, gate, mx.array(anchor), predecessor_codebook, successor_codebook)
-    if _kernel_launch("path_selector", selector_launch, *args):
+    if _kernel_launch("path_scores", scores_launch, *args):
         return _scores(*args)
     return pair_scores_reference(*args)
 
@@ -694,12 +771,22 @@ def _walk(scores, temperature=0.0, uniforms=None):
     return walk_reference(scores, temperature, uniforms)
 
 
+# Below this many batch rows `select` runs the split layout (scores kernel, then walk
+# kernel): the fused kernel's one threadgroup per row would leave most of the GPU idle
+# (the smallest Apple GPUs have 7-8 cores). A guess from the layouts, not a measurement:
+# `dflash2-mlx bench kernels` times both on a Mac.
+SPLIT_BELOW_ROWS = 8
+
+
 def select(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
            temperature=0.0, uniforms=None):
-    """Score all pairs and walk, in one launch on Metal: (scores, path, q).
+    """Score all pairs and walk on Metal: (scores, path, q).
 
-    Same result as ``pair_scores`` followed by ``walk``; values only (no gradient
-    through the walk).
+    Below SPLIT_BELOW_ROWS batch rows (production drafts one row) in two launches,
+    scores split across threadgroups then the walk; otherwise in one fused launch. Each
+    launch's variant must pass its self-check, else the next layout down is used:
+    split, fused, twin. Same result as ``pair_scores`` followed by ``walk``; values only
+    (no gradient through the walk).
     """
     args = (unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
             temperature, uniforms)
@@ -710,9 +797,26 @@ def select(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
 
 def _select(unary, cand, gate, anchor, predecessor_codebook, successor_codebook,
             temperature=0.0, uniforms=None):
-    launch = _kernel_launch("path_selector", selector_launch, unary, cand, gate, anchor,
-                            predecessor_codebook, successor_codebook, temperature, uniforms)
+    args = (unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
+    if _rows(cand.shape[:-2]) < SPLIT_BELOW_ROWS:
+        out = _select_split(args, temperature, uniforms)
+        if out:
+            return out
+    launch = _kernel_launch("path_selector", selector_launch, *args, temperature, uniforms)
     if launch:
         return tuple(run_metal("path_selector", launch))
-    scores = pair_scores_reference(unary, cand, gate, anchor, predecessor_codebook, successor_codebook)
+    scores = pair_scores_reference(*args)
     return (scores, *walk_reference(scores, temperature, uniforms))
+
+
+def _select_split(args, temperature, uniforms):
+    """(scores, path, q) from the scores kernel and the walk kernel, or None when either
+    variant is not usable (the scores launch is lazy: nothing runs until both pass)."""
+    launch = _kernel_launch("path_scores", scores_launch, *args)
+    if not launch:
+        return None
+    scores = run_metal("path_scores", launch)[0]
+    walk = _kernel_launch("path_walk", walk_launch, scores, temperature, uniforms)
+    if not walk:
+        return None
+    return (scores, *run_metal("path_walk", walk))

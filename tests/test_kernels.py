@@ -21,7 +21,7 @@ from dflash2_mlx import kernels  # noqa: E402
 from dflash2_mlx.conv import dynamic_conv_reference  # noqa: E402
 from dflash2_mlx.selector import pair_scores_reference, walk_reference  # noqa: E402
 from metal_emu.emulate import (  # noqa: E402
-    EMULATED_ATTRIBUTES, emulate, emulate_many, metal_source, used_attributes,
+    EMULATED_ATTRIBUTES, THREADGROUP_ARRAY, emulate, emulate_many, metal_source, used_attributes,
 )
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
@@ -29,6 +29,7 @@ NO_METAL = "needs Apple Silicon with MLX's Metal back-end (mx.metal.is_available
 
 CONV = kernels.SOURCES["dynamic_conv"]
 SELECT = kernels.SOURCES["path_selector"]
+SCORES = kernels.SOURCES["path_scores"]
 WALK = kernels.SOURCES["path_walk"]
 
 
@@ -118,6 +119,7 @@ SELECTOR_CASES = {
     "k4 r8 no batch dim": (selector_case(34, (), 3, 4, 8), (0.0, 0.5)),
     "k20 r64 batch (2,2)": (selector_case(35, (2, 2), 5, 20, 64), (0.0, 2.0)),
     "k32 r16 (more pairs than threads)": (selector_case(36, (1,), 3, 32, 16), (0.0, 1.0)),
+    "k16 r100 (a partial rank tile)": (selector_case(39, (1,), 3, 16, 100), (0.0, 1.0)),
     "bf16 gate and codebooks": (selector_case(37, (2,), 5, 16, 64, dtype=mx.bfloat16), (0.0, 1.0)),
     "fp16 gate and codebooks": (selector_case(38, (2,), 5, 16, 64, dtype=mx.float16), (0.0, 1.0)),
     "ties": (ties_case(), (0.0,)),
@@ -143,11 +145,12 @@ def launches():
     return [
         (CONV, kernels.conv_launch(x, dyn, base)),
         (SELECT, kernels.selector_launch(*sel_args(c), 1.0, c["uniforms"])),
+        (SCORES, kernels.scores_launch(*sel_args(c))),
         (WALK, kernels.walk_launch(scores, 1.0, c["uniforms"])),
     ]
 
 
-@pytest.mark.parametrize("src,launch", launches(), ids=["conv", "select", "walk"])
+@pytest.mark.parametrize("src,launch", launches(), ids=["conv", "select", "scores", "walk"])
 def test_generated_source_uses_every_name_and_declares_every_template_param(src, launch):
     used = identifiers(src.source)
     for name in (*src.input_names, *src.output_names):
@@ -167,9 +170,11 @@ def test_generated_source_uses_every_name_and_declares_every_template_param(src,
     local |= set(re.findall(r"template\s*<[^>]*\bint\s+([A-Z]\w*)", src.header))
     assert caps - local <= set(declared), f"undeclared template names {caps - local - set(declared)}"
     assert set(declared) <= body, f"unused template params {set(declared) - body}"
-    # Only what the emulator models: attributes, no threadgroup memory, no SIMD ops.
+    # Only what the emulator models: attributes, threadgroup memory as arrays declared in
+    # the body (no pointers into it), no SIMD ops.
     assert {a for a, _ in used_attributes(src.source)} <= EMULATED_ATTRIBUTES
-    assert not re.search(r"\bthreadgroup\s+\w+[\s*]", src.source + src.header)
+    code = re.sub(r"//[^\n]*", "", src.source + src.header)
+    assert len(re.findall(r"\bthreadgroup\b", code)) == len(THREADGROUP_ARRAY.findall(code))
     assert "simd_" not in src.source + src.header and "quad_" not in src.source + src.header
     # The instantiation MLX appends names the same template values.
     assert text.rstrip().endswith(";") and "[[host_name(" in text
@@ -189,6 +194,7 @@ def test_kernel_sources_are_package_data():
     assert "//@ conv" not in CONV.source and "thread_position_in_grid" in CONV.source
     assert "dflash_walk_step" in SELECT.header and SELECT.header == WALK.header
     assert "threadgroup_barrier" in SELECT.source and "threadgroup_barrier" not in WALK.source
+    assert len(THREADGROUP_ARRAY.findall(SCORES.source)) == 2 and "//@" not in SCORES.source
 
 
 # ---- 1. the kernels, emulated on the CPU --------------------------------------------
@@ -317,6 +323,151 @@ def test_selector_edge_cases_do_what_they_claim(selector_results):
     assert_scores_close(scores, pair_scores_reference(*sel_args(c)), c)
     bound = (mx.max(mx.abs(wide)) + 1.0).item() * c["gate"].shape[-1] * 2e-7
     assert mx.max(mx.abs(scores - wide)).item() > 5 * bound
+
+
+# ---- the batch-1 layout: scores split across threadgroups, then the walk ----------------
+
+
+@pytest.fixture(scope="module")
+def split_scores():
+    names = list(SELECTOR_CASES)
+    outs = emulate_many(SCORES, [kernels.scores_launch(*sel_args(SELECTOR_CASES[n][0])) for n in names],
+                        seeds=(0, 1))
+    return dict(zip(names, (o[0] for o in outs)))
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(SELECTOR_CASES))
+def test_split_scores_equal_the_fused_kernels_bit_for_bit(split_scores, selector_results, name):
+    # Same products and the same sequential sum over the rank as the fused kernel: the
+    # split layout changes where rows are read from (threadgroup memory), not the arithmetic.
+    c, temps = SELECTOR_CASES[name]
+    fused = selector_results[(name, temps[0])][0]
+    assert split_scores[name].shape == fused.shape and split_scores[name].dtype == mx.float32
+    assert mx.array_equal(split_scores[name], fused).item()
+    assert_scores_close(split_scores[name], pair_scores_reference(*sel_args(c)), c)
+
+
+def test_split_layout_tiles_fit_metal():
+    for K, R in ((16, 256), (20, 100), (32, 16), (4, 8), (256, 256), (1024, 64)):
+        ab, rt = kernels.score_tiles(K, R)
+        assert 1 <= ab <= K and 1 <= rt <= min(R, kernels.RANK_TILE)
+        assert ab * K <= max(kernels.SCORE_THREADS, K) <= 1024
+        assert (ab + K) * (rt + 1) * 4 <= kernels.MAX_THREADGROUP_MEMORY
+    assert kernels.score_tiles(16, 256) == (16, 64)  # production: one threadgroup per position
+    with pytest.raises(ValueError, match="1024 threads"):
+        kernels.score_tiles(1025, 8)
+
+
+def production_selector_case(seed, L, R, dtype, V=300, K=16):
+    """What the drafter passes: no batch dimension, top_candidates' uint32 ids (from
+    argpartition), a 0-d int32 anchor; values in quarters, so the scores are exact in any
+    summation order and the paths can be compared with the twin's exactly."""
+    from dflash2_mlx.selector import top_candidates
+
+    k = keys(seed, 7)
+    cand, _ = top_candidates(mx.random.normal((L, V), key=k[0]), K)
+    args = (quarter((L, K), k[1]), cand, quarter((L, R), k[2]).astype(dtype), mx.array(7),
+            quarter((V, R), k[3]).astype(dtype), quarter((V, R), k[4]).astype(dtype))
+    return args, mx.random.uniform(shape=(L,), key=k[5])
+
+
+PRODUCTION_SPLIT = [(L, 256, dt) for L in (4, 15) for dt in (mx.float32, mx.bfloat16, mx.float16)]
+PRODUCTION_SPLIT.append((4, 100, mx.float32))
+SPLIT_TEMPS = (0.0, 0.8)
+
+
+@pytest.fixture(scope="module")
+def production_split():
+    cases = [production_selector_case(40 + i, *p) for i, p in enumerate(PRODUCTION_SPLIT)]
+    scores = [o[0] for o in emulate_many(SCORES, [kernels.scores_launch(*a) for a, _ in cases], seeds=(0, 1))]
+    runs = [(i, t) for i in range(len(cases)) for t in SPLIT_TEMPS]
+    walks = emulate_many(WALK, [kernels.walk_launch(scores[i], t, cases[i][1]) for i, t in runs], seeds=(0,))
+    return {(i, t): (cases[i], scores[i], *w) for (i, t), w in zip(runs, walks)}
+
+
+@needs_gxx
+@pytest.mark.parametrize("i", range(len(PRODUCTION_SPLIT)),
+                         ids=[f"L{L}-r{R}-{str(d).split('.')[-1]}" for L, R, d in PRODUCTION_SPLIT])
+@pytest.mark.parametrize("temp", SPLIT_TEMPS)
+def test_split_layout_matches_twin_on_production_variants(production_split, i, temp):
+    (args, u), scores, path, q = production_split[(i, temp)]
+    launch = kernels.scores_launch(*args)
+    if args[2].shape[-1] == 256:  # the variant production dispatches, self-checked as such
+        production = [kernels.variant("path_scores", p) for p in kernels.production_launches("path_scores")]
+        assert kernels.variant("path_scores", launch) in production
+    assert dict(launch.template)["AB"] * 16 == launch.threadgroup[0] == 256
+    assert launch.grid == (256, args[0].shape[0], 1)  # one threadgroup per position
+    want = pair_scores_reference(*args)
+    assert mx.array_equal(scores, want).item()
+    want_path, want_q = walk_reference(want, temp, u)
+    assert kernels.path_problem(f"T={temp}", path, q, want_path, want_q, u, temp) == ""
+    if temp == 0:
+        assert mx.array_equal(path, want_path).item() and mx.array_equal(q, want_q).item()
+    else:
+        assert (mx.max(q, axis=-1) < 1).any().item()  # really sampled, not one-hot rows
+
+
+def nan_selector_case(L=5, K=16, R=8, V=64):
+    """NaN and infinite scores through the split layout: position 0's rows all NaN (a NaN
+    in the anchor's predecessor row), a NaN candidate at position 1, a row of -inf and
+    NaN at 2, +inf at 3, ordinary numbers at 4."""
+    (unary, cand, gate, anchor, A, B), u = production_selector_case(60, L, R, mx.float32, V=V, K=K)
+    A = A.at[7, 3].add(float("nan"))  # the anchor is token 7
+    cand = mx.where(cand == 7, 8, cand)  # ... and no candidate shares its row
+    unary = unary.at[1, 0].add(float("nan"))
+    unary = unary.at[2].multiply(0).at[2].add(-float("inf")).at[2, 4].add(float("nan"))
+    unary = unary.at[3, 5].add(float("inf"))
+    return (unary, cand, gate, anchor, A, B), u
+
+
+@needs_gxx
+@pytest.mark.parametrize("temp", SPLIT_TEMPS)
+def test_split_layout_follows_the_nan_rule(temp):
+    args, u = nan_selector_case()
+    (scores,), = emulate_many(SCORES, [kernels.scores_launch(*args)], seeds=(0, 1))
+    want = pair_scores_reference(*args)
+    assert mx.array_equal(scores, want, equal_nan=True).item()
+    assert mx.isnan(scores[0]).all().item() and mx.isnan(scores[1, :, 0]).all().item()
+    (path, q), = emulate_many(WALK, [kernels.walk_launch(scores, temp, u)], seeds=(0,))
+    want_path, want_q = walk_reference(want, temp, u)
+    assert path.tolist() == want_path.tolist()
+    assert mx.allclose(q, want_q, atol=1e-6).item() and not mx.isnan(q).any().item()
+    p = path.tolist()
+    assert p[0] == 0 and p[1] != 0 and p[2] == 0 and p[3] == 5  # NaN counts as -inf
+
+
+@needs_gxx
+def test_select_at_batch_1_runs_the_split_layout_and_falls_back_per_variant(monkeypatch):
+    """The dispatch itself, with the emulator standing in for the GPU: at batch 1 the
+    split layout's variants are self-checked and run; when the scores variant fails its
+    check, select warns and uses the fused kernel."""
+    ran = []
+
+    def on_emulator(key, launch):
+        ran.append(key)
+        return emulate(kernels.SOURCES[key], launch)
+
+    monkeypatch.setattr(kernels, "run_metal", on_emulator)
+    monkeypatch.setattr(kernels, "metal_usable", lambda: True)
+    monkeypatch.setattr(kernels, "reference_forced", lambda: False)
+    monkeypatch.setattr(kernels, "_checks", {})
+    args, u = production_selector_case(70, 4, 32, mx.float32)
+    want = pair_scores_reference(*args)
+    want_path, want_q = walk_reference(want, 0.8, u)
+    scores, path, q = kernels.select(*args, 0.8, u)
+    assert set(ran) == {"path_scores", "path_walk"} and ran[-1] == "path_walk"  # checks, then runs
+    assert mx.array_equal(scores, want).item()
+    assert kernels.path_problem("T=0.8", path, q, want_path, want_q, u, 0.8) == ""
+
+    monkeypatch.setitem(kernels.SOURCES, "path_scores", broken(SCORES, "r < rn; ++r", "r + 1 < rn; ++r"))
+    monkeypatch.setattr(kernels, "_checks", {})  # a new process: nothing checked yet
+    ran.clear()
+    with pytest.warns(RuntimeWarning, match=r"path_scores\[K=16 R=32 .* disagreed"):
+        scores, path, q = kernels.select(*args, 0.8, u)
+    assert ran[-1] == "path_selector" and "path_walk" not in ran
+    assert mx.array_equal(scores, want).item()
+    assert kernels.path_problem("T=0.8", path, q, want_path, want_q, u, 0.8) == ""
 
 
 # ---- the harness itself can fail ------------------------------------------------------
@@ -448,7 +599,7 @@ def test_bench_kernels_times_the_twins_here(capsys):
 
     rows = bench_kernels(hidden=256, blocks=(5,), top_k=16, rank=32, vocab=512, repeats=2)
     printed = capsys.readouterr().out
-    assert {r["kernel"] for r in rows} == {"dynamic_conv", "path_selector"}
+    assert [r["kernel"] for r in rows] == ["dynamic_conv", "path_selector", "path_scores+path_walk"]
     for r in rows:
         assert r["twin_ms"] > 0
         if not kernels.metal_usable():
@@ -499,6 +650,12 @@ def test_metal_selector_and_walk_match_twin(name, temp):
     twin_path, twin_q = walk_reference(want_scores, temp, c["uniforms"])
     assert mx.array_equal(wp, twin_path).item()
     assert mx.allclose(wq, twin_q, atol=1e-5, rtol=1e-4).item()
+    # The split layout (batch 1's): scores across threadgroups, then the same walk.
+    split = kernels.run_metal("path_scores", kernels.scores_launch(*sel_args(c)))[0]
+    assert_scores_close(split, want_scores, c)
+    sp, sq = kernels.run_metal("path_walk", kernels.walk_launch(split, temp, c["uniforms"]))
+    own_path, own_q = walk_reference(split, temp, c["uniforms"])
+    assert kernels.path_problem(f"T={temp}", sp, sq, own_path, own_q, c["uniforms"], temp) == ""
 
 
 @pytest.mark.metal
@@ -564,6 +721,9 @@ def test_production_variants_cover_what_production_dispatches():
             "constant float32&", "device bfloat16*", "device float16*"} <= bindings
     templates = [dict(t) for _, t, _ in sel]
     assert any(t["K"] == 16 and t["NT"] == 256 and t["R"] == 256 for t in templates)
+    split = [kernels.variant("path_scores", launch) for launch in kernels.production_launches("path_scores")]
+    assert [b for _, _, b in split] == [b[:6] for _, _, b in sel]  # same inputs, less the walk's
+    assert any(dict(t)["K"] == 16 and dict(t)["AB"] == 16 and dict(t)["R"] == 256 for _, t, _ in split)
     conv = [dict(t) for _, t, _ in (kernels.variant("dynamic_conv", launch)
                                    for launch in kernels.production_launches("dynamic_conv"))]
     assert any(t["T"] == "bfloat16" and t["TAP"] == "float32" and t["H"] > 256 for t in conv)
@@ -582,6 +742,10 @@ def test_self_check_catches_broken_variants_and_says_how():
     # Ties to the highest index: every selector variant disagrees.
     bad = broken(SELECT, "if (x > top)", "if (x >= top)")
     assert all(detail for _, detail in emulated_checks("path_selector", bad))
+    # Split scores that stage every rank tile from the gate's first columns: every
+    # variant (rank 256, four tiles) disagrees.
+    bad = broken(SCORES, "gate[row * R + r0 + i % rn]", "gate[row * R + i % rn]")
+    assert all("scores: not bit-identical" in detail for _, detail in emulated_checks("path_scores", bad))
     # A conv that rounds the taps to half: only the fp32 variants notice.
     bad = broken(CONV, "const TAP tap0 = ", "const TAP tap0 = (TAP)(half)")
     flagged = {tuple(v for _, v in kernels.variant("dynamic_conv", launch)[1][:2]): bool(d)
@@ -765,6 +929,73 @@ def test_emulator_passes_the_fixed_kernels_and_rejects_oversized_threadgroups():
     big = toy_launch(2048)
     with pytest.raises(ValueError, match="exceeds Metal's 1024"):
         emulate_many(toy_kernel(ok), [big])
+
+
+# Each threadgroup reverses its slice of x through threadgroup memory (so every thread
+# reads what another wrote), twice, refilling the array between the rounds.
+REVERSE_IN_THREADGROUP = """
+threadgroup float tile[N];
+const uint i = thread_position_in_threadgroup.x;
+const uint base = threadgroup_position_in_grid.x * N;
+float acc = 0.0f;
+for (uint k = 0; k < 2; ++k) {
+  tile[i] = x[base + i] + static_cast<float>(k);
+  AFTER_FILL
+  acc += tile[N - 1 - i];
+  BEFORE_REFILL
+}
+y[base + i] = acc;
+if (thread_position_in_grid.x == 0) total[0] = 1.0f;
+"""
+TG_BARRIER = "metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);"
+
+
+def reverse_kernel(after_fill=TG_BARRIER, before_refill=TG_BARRIER, **replace):
+    source = REVERSE_IN_THREADGROUP.replace("AFTER_FILL", after_fill).replace("BEFORE_REFILL", before_refill)
+    for old, new in replace.items():
+        source = source.replace(old, new)
+    return toy_kernel(source)
+
+
+TG_BROKEN = {
+    "no barrier after filling": (reverse_kernel(after_fill=""), "threadgroup memory"),
+    # Read-then-refill or refill-then-read, depending on which thread runs first: both races.
+    "no barrier before refilling": (reverse_kernel(before_refill=""), "data race on threadgroup memory"),
+    "no barrier at all": (reverse_kernel(after_fill="", before_refill=""), "threadgroup memory"),
+    "fenced as device memory": (reverse_kernel(TG_BARRIER.replace("threadgroup)", "device)")),
+                                "without mem_flags::mem_threadgroup"),
+    "fenced as nothing": (reverse_kernel(TG_BARRIER.replace("threadgroup)", "none)")), "fences no memory"),
+    "two threads fill one element": (reverse_kernel(**{"tile[i] = ": "tile[i / 2] = "}), "both write"),
+    "index past the end": (reverse_kernel(**{"tile[i] = ": "tile[i + 1] = "}), "past the end"),
+    "shared across threadgroups": (reverse_kernel(**{"tile[i] = ": "if (base == 0) tile[i] = "}),
+                                   "which no thread of its threadgroup wrote"),
+    "above 32 KiB": (reverse_kernel(**{"tile[N];": "tile[N];\nthreadgroup float spill[8192];"}),
+                     "exceeds Metal's 32768"),
+}
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(TG_BROKEN))
+def test_emulator_rejects_broken_threadgroup_memory_use(name):
+    src, message = TG_BROKEN[name]
+    # Two threadgroups of 64: interleaved in one pool, each with its own threadgroup memory.
+    with pytest.raises(RuntimeError, match=message):
+        emulate_many(src, [toy_launch(64, 2)], seeds=(0, 1))
+
+
+@needs_gxx
+def test_emulator_runs_threadgroup_memory_per_threadgroup():
+    # 2 threadgroups run interleaved; 40 (2560 threads, above the shim's EMU_INTERLEAVE)
+    # one after another.
+    for groups in (2, 40):
+        x = mx.arange(64 * groups, dtype=mx.float32)
+        (y, _), = emulate_many(reverse_kernel(), [toy_launch(64, groups, [x])], seeds=(0, 1, 2))
+        want = 2 * x.reshape(groups, 64)[:, ::-1].reshape(-1) + 1
+        assert mx.array_equal(y, want).item()
+    # Pointers into threadgroup memory are not modelled: refused, not emulated loosely.
+    pointer = reverse_kernel(**{"acc += tile[N - 1 - i];": "threadgroup float* p = tile;\nacc += p[N - 1 - i];"})
+    with pytest.raises(RuntimeError, match="only_threadgroup_arrays_are_emulated"):
+        emulate_many(pointer, [toy_launch(64, 2)])
 
 
 def test_twins_import_nothing_of_the_kernels():

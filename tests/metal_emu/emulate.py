@@ -6,7 +6,8 @@ when it has fewer than 8 elements else ``device``, ``&`` for 0-d inputs, ``*_sha
 ``*_strides`` / ``*_ndim`` when the body names them, the outputs, then the Metal
 attributes the body mentions, then the body; plus the explicit instantiation).
 ``emulate`` turns that same text into C++ (dropping only the ``[[...]]`` attributes of
-the signature and the instantiation line), includes ``metal_shim.h``, adds a ``main``
+the signature and the instantiation line, and rewriting each ``threadgroup T name[N];``
+into the shim's checked per-threadgroup array), includes ``metal_shim.h``, adds a ``main``
 that reads the inputs, runs the whole grid through ``emu_launch`` (shuffled thread
 order, fibers for barriers) and writes the outputs, compiles it with g++ under
 AddressSanitizer (every buffer is its own exact-size allocation, so any read or write
@@ -125,6 +126,20 @@ def metal_source(src, launch, metal: bool = True) -> str:
     return text
 
 
+# A threadgroup array declared in a kernel body: `threadgroup TYPE NAME[SIZE];`. Other
+# uses of `threadgroup` stay as they are, and the shim's macro makes them fail to compile.
+THREADGROUP_ARRAY = re.compile(r"\bthreadgroup\s+([A-Za-z_][\w:]*)\s+([A-Za-z_]\w*)\s*\[([^\[\]]+)\]\s*;")
+
+
+def emulate_threadgroup_arrays(text: str) -> tuple:
+    """(C++ text with each threadgroup array rewritten as the shim's EmuThreadgroupArray,
+    whether there was any)."""
+    sites = iter(range(1 << 30))
+    out, n = THREADGROUP_ARRAY.subn(
+        lambda m: f'EmuThreadgroupArray<{m[1]}, ({m[3]})> {m[2]}("{m[2]}", {next(sites)});', text)
+    return out, n > 0
+
+
 def _group_dims(launch):
     return tuple(min(t, g) for t, g in zip(launch.threadgroup, launch.grid))
 
@@ -159,17 +174,18 @@ def _case_code(src, launch, i: int) -> str:
     gx, gy, gz = launch.grid
     tx, ty, tz = _group_dims(launch)
     barriers = "threadgroup_barrier" in src.source
+    kernel_text, tg_memory = emulate_threadgroup_arrays(metal_source(src, launch, metal=False))
     n_in, sizes = len(launch.inputs), _sizes(launch)
     threads = gx * gy * gz
     races = sum(sizes[n_in:]) * threads <= RACE_TRACKING_BUDGET
     return "\n".join([
         f"namespace case_{i} {{",
-        metal_source(src, launch, metal=False),
+        kernel_text,
         *lines,
         f"static const size_t sizes[] = {{{', '.join(map(str, sizes))}}};",
         "int run(void** bufs, unsigned seed) {",
         f"  return emu_launch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, "
-        f"{'true' if barriers else 'false'}, seed, emu_outputs(bufs, {n_in}, {len(sizes)}, sizes), "
+        f"{'true' if barriers else 'false'}, {'true' if tg_memory else 'false'}, seed, emu_outputs(bufs, {n_in}, {len(sizes)}, sizes), "
         f"{'true' if races else 'false'}, [&](const EmuThread& emu_t) {{",
         f"    {name}{targs}(",
         "      " + ",\n      ".join(args) + ");",

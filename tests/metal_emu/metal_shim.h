@@ -11,13 +11,21 @@
 // - the metal:: functions the kernels use (exp, max, min, numeric_limits);
 // - threadgroup_barrier, by running each threadgroup's threads as fibers that all
 //   reach the same barrier call site before any passes it; a barrier must fence device
-//   memory (the only memory threads share here);
+//   memory, or threadgroup memory in a kernel that declares some;
 // - races: every output byte a thread changes is attributed to it, and two threads
 //   changing one byte without a barrier between them (or from two threadgroups) fail;
+// - threadgroup memory: one-dimensional arrays declared in the kernel body
+//   (`threadgroup T name[N];`, rewritten by emulate.py into EmuThreadgroupArray), one
+//   fresh block per threadgroup. Every element access is checked: a read of an element no
+//   thread of the group wrote, a read or write of an element another thread wrote or read
+//   in the same barrier interval (a missing barrier), a read across barriers none of
+//   which fenced mem_threadgroup, an index past the end, and more than Metal's 32 KiB per
+//   threadgroup all fail;
 // - the whole program after this header is compiled with Metal's missing C++ features
 //   poisoned (double, std::, new, exceptions, goto, virtual...), see EMU_POISON.
-// What it refuses: threadgroup memory and SIMD-group functions are not defined, so a
-// kernel that uses them fails to compile here instead of being emulated unfaithfully.
+// What it refuses: other uses of `threadgroup` (pointers, scalars, 2-D arrays) and
+// SIMD-group functions are not defined, so a kernel that uses them fails to compile here
+// instead of being emulated unfaithfully.
 #pragma once
 
 #include <cmath>
@@ -25,7 +33,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cstdarg>
 #include <limits>
+#include <map>
 #include <vector>
 #include <ucontext.h>
 
@@ -39,6 +49,8 @@
 #error "define EMU_CONSTANT_IS_VOLATILE or EMU_DEVICE_IS_VOLATILE"
 #endif
 #define thread
+// Threadgroup arrays are rewritten before compilation; anything else is refused.
+#define threadgroup emu_only_threadgroup_arrays_are_emulated
 
 typedef unsigned int uint;
 
@@ -181,14 +193,21 @@ struct EmuThread {
 
 namespace emu_detail {
 
+// The running thread, for the threadgroup-memory checks.
+struct Who {
+  uint id = 0;        // 1 + linear index of the thread in the grid
+  uint group = 0;     // index of its threadgroup in the launch
+  uint interval = 0;  // barriers it has passed
+  int tg_fenced = -1; // the last interval ended by a barrier fencing mem_threadgroup
+};
+
 struct Fiber {
   ucontext_t ctx;
   std::vector<char> stack;
   bool done = false;
   bool at_barrier = false;
   int site_line = 0;
-  uint group = 0;  // index of its threadgroup in the launch
-  uint id = 0;     // 1 + linear index of the thread in the grid
+  Who who;
   EmuThread ids;
 };
 
@@ -199,6 +218,8 @@ inline void (*g_trampoline)(const void*, const EmuThread&) = nullptr;
 inline const void* g_body = nullptr;
 inline const char* g_error = nullptr;  // set by a thread, reported by the launch
 inline char g_message[512];
+inline Who* g_who = nullptr;
+inline bool g_tg_kernel = false;  // the kernel declares threadgroup memory
 
 inline void fiber_entry() {
   Fiber* f = g_current;
@@ -296,16 +317,150 @@ inline void metal::threadgroup_barrier(mem_flags flags, int line) {
     std::abort();
   }
   Fiber* f = g_current;
-  if (!(int(flags) & int(mem_flags::mem_device))) {
-    // Threads here share only device memory: a barrier that does not fence it leaves
-    // what one thread wrote before it unordered with what another reads after it.
+  const bool fences_tg = int(flags) & int(mem_flags::mem_threadgroup);
+  const bool fences_device = int(flags) & int(mem_flags::mem_device);
+  if (g_tg_kernel && !fences_device && !fences_tg) {
+    g_error = "emu: threadgroup_barrier without mem_flags::mem_threadgroup or mem_device: "
+              "it fences no memory the threads share";
+  } else if (!g_tg_kernel && !fences_device) {
+    // Without threadgroup memory, threads share only device memory: a barrier that does
+    // not fence it leaves what one thread wrote before it unordered with what another
+    // reads after it. (With threadgroup memory, each read of it checks its own fence;
+    // device memory is then not checked, see the README's known limits.)
     g_error = "emu: threadgroup_barrier without mem_flags::mem_device: device memory "
               "written before it is not guaranteed visible after it";
   }
+  if (fences_tg) f->who.tg_fenced = int(f->who.interval);
   f->at_barrier = true;
   f->site_line = line;
   swapcontext(&f->ctx, &g_scheduler);
+  ++f->who.interval;  // released: every thread of the group reached this barrier
 }
+
+// ---- threadgroup memory ----------------------------------------------------------
+
+namespace emu_detail {
+
+[[noreturn]] inline void tg_fail(const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  std::fputs("emu: ", stderr);
+  std::vfprintf(stderr, fmt, args);
+  std::fputs("\n", stderr);
+  va_end(args);
+  std::_Exit(5);
+}
+
+// Who last wrote an element (0: nobody yet) and in which of the writer's barrier
+// intervals; who read it in the latest interval it was read (several: any thread).
+struct TgCell {
+  uint writer = 0, written = 0, reader = 0, read = 0;
+  bool readers = false;
+};
+
+struct TgBlock {
+  std::vector<unsigned char> bytes;  // 0xFF at first: NaN as floats, if a read slipped by
+  std::vector<TgCell> cells;
+  const char* name;
+};
+
+constexpr size_t MAX_THREADGROUP_MEMORY = 32768;  // every Apple GPU
+inline std::map<uint64_t, TgBlock> g_tg;          // (group, declaration) -> block
+inline std::map<uint, size_t> g_tg_bytes;         // group -> bytes declared
+
+inline void tg_reset() {
+  g_tg.clear();
+  g_tg_bytes.clear();
+}
+
+inline TgBlock& tg_block(int site, size_t n, size_t size, const char* name) {
+  const uint64_t key = (uint64_t(g_who->group) << 32) | uint(site);
+  auto it = g_tg.find(key);
+  if (it != g_tg.end()) return it->second;
+  size_t& total = g_tg_bytes[g_who->group];
+  total += n * size;
+  if (total > MAX_THREADGROUP_MEMORY)
+    tg_fail("threadgroup memory of %zu bytes (with `%s`) exceeds Metal's %zu per threadgroup",
+            total, name, MAX_THREADGROUP_MEMORY);
+  TgBlock& b = g_tg[key];
+  b.bytes.assign(n * size, 0xFF);
+  b.cells.resize(n);
+  b.name = name;
+  return b;
+}
+
+inline void tg_read(TgBlock& b, size_t i) {
+  const Who& w = *g_who;
+  TgCell& c = b.cells[i];
+  if (c.writer == 0)
+    tg_fail("thread %u reads %s[%zu], which no thread of its threadgroup wrote "
+            "(threadgroup memory starts undefined)", w.id - 1, b.name, i);
+  if (c.writer != w.id && c.written == w.interval)
+    tg_fail("data race on threadgroup memory: thread %u reads %s[%zu], which thread %u "
+            "wrote in the same barrier interval (no barrier between the write and the read)",
+            w.id - 1, b.name, i, c.writer - 1);
+  if (c.writer != w.id && w.tg_fenced < int(c.written))
+    tg_fail("thread %u reads %s[%zu], written by thread %u before a barrier without "
+            "mem_flags::mem_threadgroup: the write is not guaranteed visible",
+            w.id - 1, b.name, i, c.writer - 1);
+  if (c.reader == 0 || c.read != w.interval) {
+    c.reader = w.id;
+    c.read = w.interval;
+    c.readers = false;
+  } else if (c.reader != w.id) {
+    c.readers = true;
+  }
+}
+
+inline void tg_write(TgBlock& b, size_t i) {
+  const Who& w = *g_who;
+  TgCell& c = b.cells[i];
+  if (c.writer != 0 && c.writer != w.id && c.written == w.interval)
+    tg_fail("data race on threadgroup memory: threads %u and %u both write %s[%zu] in one "
+            "barrier interval", c.writer - 1, w.id - 1, b.name, i);
+  if (c.reader != 0 && c.read == w.interval && (c.readers || c.reader != w.id))
+    tg_fail("data race on threadgroup memory: thread %u overwrites %s[%zu] that another "
+            "thread read in the same barrier interval (no barrier between the read and the "
+            "write)", w.id - 1, b.name, i);
+  c.writer = w.id;
+  c.written = w.interval;
+}
+
+}  // namespace emu_detail
+
+// One element of a threadgroup array: every read and write goes through the checks.
+template <typename T>
+struct EmuTgRef {
+  emu_detail::TgBlock* block;
+  size_t i;
+  T* at() const { return reinterpret_cast<T*>(block->bytes.data()) + i; }
+  operator T() const {
+    emu_detail::tg_read(*block, i);
+    return *at();
+  }
+  EmuTgRef& operator=(const T& v) {
+    emu_detail::tg_write(*block, i);
+    *at() = v;
+    return *this;
+  }
+  EmuTgRef& operator=(const EmuTgRef& o) { return *this = static_cast<T>(o); }
+  EmuTgRef& operator+=(const T& v) { return *this = static_cast<T>(static_cast<T>(*this) + v); }
+  EmuTgRef& operator-=(const T& v) { return *this = static_cast<T>(static_cast<T>(*this) - v); }
+  EmuTgRef& operator*=(const T& v) { return *this = static_cast<T>(static_cast<T>(*this) * v); }
+};
+
+// `threadgroup T name[N];` in a kernel body becomes `EmuThreadgroupArray<T, (N)> name(...)`:
+// every thread that runs the declaration gets its threadgroup's block.
+template <typename T, size_t N>
+struct EmuThreadgroupArray {
+  emu_detail::TgBlock* block;
+  EmuThreadgroupArray(const char* name, int site)
+      : block(&emu_detail::tg_block(site, N, sizeof(T), name)) {}
+  EmuTgRef<T> operator[](size_t i) const {
+    if (i >= N) emu_detail::tg_fail("index %zu past the end of threadgroup array %s[%zu]", i, block->name, N);
+    return {block, i};
+  }
+};
 
 // Runs `body` once per thread of the grid (dispatchThreads semantics: the last
 // threadgroup along each axis may be partial, as MLX dispatches), in orders shuffled by
@@ -321,7 +476,7 @@ inline void metal::threadgroup_barrier(mem_flags flags, int line) {
 #endif
 
 template <typename Body>
-inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
+inline int emu_launch(uint3 grid, uint3 tg, bool barriers, bool tg_memory, unsigned seed,
                       const std::vector<emu_detail::Buffer>& outs, bool track_races,
                       const Body& body) {
   using namespace emu_detail;
@@ -339,6 +494,7 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
   g_body = &body;
   g_trampoline = [](const void* b, const EmuThread& t) { (*static_cast<const Body*>(b))(t); };
   g_fibers = barriers;
+  g_tg_kernel = tg_memory;
   g_error = nullptr;
   g_message[0] = 0;
   RaceTracker races;
@@ -347,6 +503,7 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
   const size_t pool = barriers && total <= EMU_INTERLEAVE ? order.size() : 1;
   uint stamp = 0;  // barrier intervals, numbered across the launch
   for (size_t first = 0; first < order.size(); first += pool) {
+    tg_reset();  // threadgroup memory lives as long as its threadgroups
     std::vector<EmuThread> threads;
     std::vector<uint> group_of;
     for (size_t gi = first; gi < first + pool && gi < order.size(); ++gi) {
@@ -379,8 +536,12 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
     if (!barriers) {
       ++stamp;
       for (size_t i : perm) {
+        Who who;
+        who.id = linear(threads[i]);
+        who.group = group_of[i];
+        g_who = &who;
         body(threads[i]);
-        if (!races.after(linear(threads[i]), group_of[i], stamp)) {
+        if (!races.after(who.id, who.group, stamp)) {
           std::fprintf(stderr, "%s\n", g_message);
           return 5;
         }
@@ -391,8 +552,8 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
     for (size_t i = 0; i < threads.size(); ++i) {
       Fiber& f = fibers[i];
       f.ids = threads[perm[i]];
-      f.group = group_of[perm[i]];
-      f.id = linear(f.ids);
+      f.who.group = group_of[perm[i]];
+      f.who.id = linear(f.ids);
       f.stack.resize(1 << 16);
       getcontext(&f.ctx);
       f.ctx.uc_stack.ss_sp = f.stack.data();
@@ -410,12 +571,13 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
         if (f.done) continue;
         f.at_barrier = false;
         g_current = &f;
+        g_who = &f.who;
         swapcontext(&g_scheduler, &f.ctx);
         if (g_error) {
           std::fprintf(stderr, "%s\n", g_error);
           return 5;
         }
-        if (!races.after(f.id, f.group, stamp)) {
+        if (!races.after(f.who.id, f.who.group, stamp)) {
           std::fprintf(stderr, "%s\n", g_message);
           return 5;
         }
@@ -425,7 +587,7 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, unsigned seed,
       std::vector<size_t> done(order.size() + 1, 0), waiting(order.size() + 1, 0);
       std::vector<const Fiber*> site(order.size() + 1, nullptr);
       for (const Fiber& f : fibers) {
-        const size_t g = f.group;
+        const size_t g = f.who.group;
         if (f.done) {
           ++done[g];
           continue;
