@@ -423,6 +423,7 @@ class Engine:
             for last in gen:
                 n = last.generation_tokens
                 emitted.append(last.token)
+                self.prefix_cache.note(start, len(request.ids) + n)
                 segment = last.text
                 if last.finish_reason == "length":  # a character cut by max_tokens is left out
                     segment = segment.rstrip("\ufffd")

@@ -5,8 +5,10 @@ An entry holds the token ids it covers and copies of the cache arrays for them:
 - attention caches (mlx-lm ``KVCache``) are kept for the whole turn, prompt and reply; a new
   prompt that shares only part of it trims them to the shared prefix (a slice);
 - recurrent caches (the linear-attention layers of qwen3_5 / qwen3_next) cannot be trimmed, so
-  a hybrid target's entry is a snapshot at its prompt's last-but-one token, usable only by a
-  prompt that starts with all of it;
+  a hybrid target's entry is a snapshot at one step, usable only by a prompt that starts with
+  all of it: at the prompt's last-but-one token (taken before the request runs), and at the
+  end of the turn, from the latest step at which the caches held only known tokens (a
+  speculative cycle may have accepted drafts that were not emitted when the reply ended);
 - with DFlash, the drafter's context rows (K/V made from target features) for the same tokens.
 A plain request can reuse a DFlash entry's target part; a DFlash request needs the draft rows.
 At least the prompt's last token is always run, so the first token comes from fresh logits.
@@ -41,6 +43,9 @@ class Start:
     context: object  # a DraftContext, or None for plain decoding
     tokens: int = 0
     reused: int = 0
+    # Targets with recurrent caches: (n, states), the recurrent states at the latest step
+    # where every cache held exactly the first n tokens, all of them known.
+    held: Optional[tuple] = None
 
 
 def reusable(cache) -> bool:
@@ -54,6 +59,18 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def _recurrent(cache) -> list:
+    """The recurrent states of ``cache`` (None for attention layers). The models replace
+    these arrays at each step rather than write into them, so references are a snapshot."""
+    return [None if isinstance(c, KVCache) else (list(c.cache), c.lengths) for c in cache]
+
+
+def _held(cache) -> Optional[int]:
+    """How many tokens the attention caches hold, if they agree (None without any)."""
+    offsets = {c.offset for c in cache if isinstance(c, KVCache)}
+    return offsets.pop() if len(offsets) == 1 else None
 
 
 def _rows(c: KVCache, n: int):
@@ -104,7 +121,7 @@ class PrefixCache:
     def start(self, ids: Sequence[int], model, drafter=None, window=None, reuse: bool = True) -> Start:
         """Caches for a request over ``ids``: restored from the best entry, or fresh. With a
         ``drafter`` (DFlash) the start has a draft context too. A hybrid target is advanced to
-        the last-but-one prompt token here and stored."""
+        the last-but-one prompt token here and stored; its states there are the first held."""
         from ..draft_context import DraftContext
 
         cache = make_prompt_cache(model)
@@ -121,10 +138,24 @@ class PrefixCache:
                 self.entries.move_to_end(key)
             self._restore(self.entries[key], n, cache, context)
         start = Start(cache, context, n, n)
-        if not all(c.is_trimmable() for c in cache) and start.tokens < len(ids) - 1:
-            self._advance(start, ids[: len(ids) - 1], model)
-            self.store(ids[: len(ids) - 1], start)
+        if not all(c.is_trimmable() for c in cache):
+            if start.tokens < len(ids) - 1:
+                self._advance(start, ids[: len(ids) - 1], model)
+            start.held = (start.tokens, _recurrent(cache))
+            if start.tokens > n:
+                self.store(ids[: len(ids) - 1], start)
         return start
+
+    @staticmethod
+    def note(start: Start, known: int):
+        """After a generated token, ``known`` tokens (prompt and reply so far) are known: if
+        the caches hold no more than those, their recurrent states are kept in ``start``
+        (references, no copy), for the end-of-turn entry of a hybrid target."""
+        if start.held is None:
+            return
+        n = _held(start.cache)
+        if n is not None and start.held[0] < n <= known:
+            start.held = (n, _recurrent(start.cache))
 
     @staticmethod
     def _restore(e: Entry, n: int, cache, context):
@@ -165,12 +196,14 @@ class PrefixCache:
         if start.context is not None:
             draft_cache = start.context.fed()
             n = min([n] + [c.offset for c in draft_cache])
-        if not trimmable and n != start.tokens:
-            return  # a recurrent state is only known at the step it was taken
+        states = [None] * len(start.cache)
+        if not trimmable:
+            if start.held is None or start.held[0] > n:
+                return  # no step at which the recurrent states held known tokens only
+            n, states = start.held
         if n < 1:
             return
-        target = [_rows(c, n) if isinstance(c, KVCache) else (list(c.cache), c.lengths)
-                  for c in start.cache]
+        target = [_rows(c, n) if isinstance(c, KVCache) else state for c, state in zip(start.cache, states)]
         draft = [_rows(c, n) for c in draft_cache] if start.context is not None else None
         arrays = [a for pair in target + (draft or []) for a in _flat(pair)]
         mx.eval(arrays)
