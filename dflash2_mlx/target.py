@@ -5,13 +5,14 @@ Capture swaps each tapped layer's class for a subclass whose ``__call__`` record
 the layer's output, so model files stay untouched.  Attention caches are trimmed;
 recurrent caches (linear-attention layers of qwen3_5 / qwen3_next) cannot be, so
 they are restored from a snapshot taken before verification and the accepted
-tokens are replayed through the target.
+tokens are replayed through the target.  So are sliding-window caches once a verify pass
+reaches their window (it drops the oldest rows a trim would have to bring back).
 """
 
 from typing import Callable, List, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 
 class UnsupportedTargetError(ValueError):
@@ -131,8 +132,18 @@ def attach(model, drafter) -> Target:
 
 
 def snapshot(cache) -> list:
-    """What a rollback needs: the arrays of every cache that cannot be trimmed."""
-    return [None if c.is_trimmable() else (list(c.cache), c.lengths) for c in cache]
+    """What a rollback needs: the state of every cache a verify pass may leave untrimmable,
+    recurrent ones and sliding-window ones (a pass that reaches the window drops the rows a
+    trim would need).  References suffice: a pass over several tokens builds new arrays."""
+    out = []
+    for c in cache:
+        if isinstance(c, RotatingKVCache):
+            out.append(c.state)
+        elif c.is_trimmable():
+            out.append(None)
+        else:
+            out.append((list(c.cache), c.lengths))
+    return out
 
 
 def needs_replay(cache) -> bool:
@@ -151,6 +162,8 @@ def rollback(target: Target, cache, saved: list, fed: int, kept: mx.array):
     for c, s in zip(cache, saved):
         if s is None:
             c.trim(fed)
+        elif isinstance(c, RotatingKVCache):
+            c.state = s
         else:
             c.cache, c.lengths = list(s[0]), s[1]
     target(kept, cache)

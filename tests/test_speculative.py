@@ -13,7 +13,7 @@ from dflash2_mlx.speculative import speculative_generate_step
 from dflash2_mlx.target import attach
 from tiny_models import make_drafter, make_target
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
+FAMILIES = ["llama", "llama_sliding", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
 MAX_TOKENS = 24
 
 

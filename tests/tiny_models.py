@@ -111,6 +111,9 @@ def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
                         mlp_only_layers=[], norm_topk_prob=True)
     elif family == "qwen2":
         base.update(tie_word_embeddings=True)
+    elif family == "llama_sliding":  # mlx-lm's RotatingKVCache on every other layer
+        base.update(model_type="llama", head_dim=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"] * (layers // 2))
     return base
 
 
