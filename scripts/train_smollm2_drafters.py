@@ -94,7 +94,8 @@ def use_feature_file(*paths):
 
 
 def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
-                    draft_vocab: int = DRAFT_VOCAB, sliding_window: Optional[int] = None) -> Path:
+                    draft_vocab: int = DRAFT_VOCAB, sliding_window: Optional[int] = None,
+                    warm_layers: Optional[list] = None) -> Path:
     """A new drafter sized from the target (``SHAPE``) whose final norm weight starts as
     the target's final norm weight times 0.1.  Its states feed the target's LM head; with
     mlx's unit norm weights the first logits are huge (CE ~65 on SmolLM2, ~90 with the
@@ -112,6 +113,10 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
                              **SHAPE)
     vocab = frequent_tokens(read_dataset(data), draft_vocab, V) if draft_vocab else None
     drafter = new_drafter(cfg, seed, draft_vocab=vocab)
+    if warm_layers:
+        from dflash2_mlx.train.init import warm_start_from_target
+
+        warm_start_from_target(drafter, model, warm_layers)
     drafter.norm.weight = 0.1 * text_model(model).model.norm.weight
     save_drafter(drafter, path)
     return path
@@ -130,7 +135,7 @@ def train(args):
     target, model, tokenizer = _target()
     init = args.init or initial_drafter(model, tokenizer, args.version, args.seed,
                                         Path(f"{args.out}-init"), args.data, args.draft_vocab,
-                                        args.sliding_window)
+                                        args.sliding_window, args.warm_layers)
     final = train_drafter(target, args.out, args.data, init=str(init), version=args.version,
                           config=cfg, **SHAPE)
     print(f"drafter: {final}")
@@ -156,22 +161,25 @@ def ship(args):
         state = json.loads((Path(run) / "training_state" / "state.json").read_text())
         phases.append((state["config"], state["state"]["history"]))
     tcfg, hist = phases[-1]
-    steps = " then ".join(
-        f"{c['steps']} steps (lr {c['lr']}, seed {c['seed']}, {sum(h['sec'] for h in hs) / 60:.0f} min)"
-        for c, hs in phases)
+    def phase(c, hs):
+        cut = f" of a {c['steps']}-step schedule" if len(hs) < c["steps"] else ""
+        return f"{len(hs)} steps{cut} (lr {c['lr']}, seed {c['seed']}, {sum(h['sec'] for h in hs) / 60:.0f} min)"
+
+    steps = " then ".join(phase(c, hs) for c, hs in phases)
     n_records = sum(1 for _ in open(args.data)) if args.data else None
     size = sum(p.stat().st_size for p in dest.iterdir())
     last = hist[-10:]
     mean = lambda k: sum(h.get(k, 0.0) for h in last) / max(len(last), 1)
     name = "DFlash 2" if drafter.version == 2 else "DFlash v1"
     c = drafter.config
-    curve = ["| steps | blocks seen | CE | top-1 (all positions) | top-1 position 1 | in top-16 |",
+    curve = ["| steps (all phases) | blocks seen | CE | top-1 (all positions) | top-1 position 1 | in top-16 |",
              "|---|---|---|---|---|---|"]
-    window = max(len(hist) // 10, 1)
-    for end in range(window, len(hist) + 1, window):
-        part = hist[end - window : end]
+    every = [h for _, hs in phases for h in hs]  # the phases' steps, one after another
+    window = max(len(every) // 12, 1)
+    for end in range(window, len(every) + 1, window):
+        part = every[end - window : end]
         avg = lambda k: sum(h.get(k, 0.0) for h in part) / len(part)
-        curve.append(f"| {part[0]['step']}-{part[-1]['step']} | {end * tcfg['batch_size'] * tcfg['max_anchors']} | "
+        curve.append(f"| {end - window + 1}-{end} | {end * tcfg['batch_size'] * tcfg['max_anchors']} | "
                      f"{avg('ce'):.2f} | {avg('top1'):.3f} | {avg('top1_pos1'):.3f} | {avg('in_topk'):.3f} |")
     curve = "\n".join(curve)
     (dest / "README.md").write_text(f"""# {dest.name}: {name} drafter for SmolLM2-135M-Instruct
@@ -192,7 +200,7 @@ shipped drafter was trained").
 - Shipped: Linear weights quantized to {args.bits} bits (group {args.group_size}){", selector codebooks in fp16" if drafter.version == 2 else ""}; {size / 1e6:.1f} MB.
   On a CPU without Metal the loader dequantizes them to fp32 (faster there).
 
-Learning curve (training batches, means over each tenth of the run):
+Learning curve (training batches, means over each twelfth of all phases' steps):
 
 {curve}
 """)
@@ -264,6 +272,8 @@ def main():
     t.add_argument("--more-features", action="append", default=[],
                    help="Another feature file (features of records added to DATA later)")
     t.add_argument("--steps", type=int, default=90)
+    t.add_argument("--warm-layers", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="Start drafter layer i as a copy of target layer i of this list (e.g. 28,29)")
     t.add_argument("--stop-after", type=int, default=0,
                    help="End after this many steps; the learning-rate schedule still spans --steps")
     t.add_argument("--lr", type=float, default=2e-3)

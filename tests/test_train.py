@@ -177,6 +177,29 @@ def test_new_drafter_is_sized_from_the_target(tiny, tmp_path):
     assert init.default_mask_token_id(tok, 33) == tok.mask_token_id == 2
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_warm_start_from_target_layers(tiny, quantized):
+    """Drafter layer i starts as target layer ids[i] (a quantized target's dequantized);
+    the target's tiny qwen3 layers have q/k norms too, so every part is copied."""
+    root, _, tok, _ = tiny
+    model, _ = mlx_lm.load(str(root / "target"))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    drafter = init.new_drafter(init.new_drafter_config(model, num_layers=2, mask_token_id=2))
+    init.warm_start_from_target(drafter, model, [3, 1])
+    for i, j in enumerate([3, 1]):
+        for part in init.LAYER_PARTS:
+            src, dst = model.layers[j], drafter.layers[i]
+            for name in part.split("."):
+                src, dst = getattr(src, name), getattr(dst, name)
+            w = init._weight(src)
+            assert np.array_equal(np.array(w), np.array(dst.weight)), (i, part)
+    with pytest.raises(ValueError, match="target layer 9 does not exist"):
+        init.warm_start_from_target(drafter, model, [0, 9])
+    with pytest.raises(ValueError, match="3 target layers given for 2 drafter layers"):
+        init.warm_start_from_target(drafter, model, [0, 1, 2])
+
+
 def test_warm_start_v2_from_v1_is_exactly_v1(tiny, tmp_path):
     root, model, tok, records = tiny
     make_drafter(tmp_path / "v1", root / "target", version=1, block_size=6)

@@ -1,4 +1,5 @@
-"""New drafters sized from a target, and DFlash 2 drafters warm-started from DFlash v1.
+"""New drafters sized from a target, warm-started from the target's own layers, and DFlash 2
+drafters warm-started from DFlash v1.
 
 A new drafter copies the target's width (it must: it reads the target's features and
 uses its embedding and LM head), heads, head size, MLP size, norm eps and RoPE, and
@@ -10,6 +11,10 @@ Warm start: the v2 drafter gets every v1 tensor; its convs are the identity (bas
 = 1, tap 1 = 0, zero projection) and its successor codebook is zero, so every pair
 score equals the drafter's own logit and the greedy selector walk picks the argmax:
 the warm-started drafter first drafts exactly what the v1 drafter drafted.
+
+From the target: a drafter is as wide as its target and its layers have the same parts
+(attention projections, MLP, two norms), so each can start as a copy of a target layer
+(the last ones read the most contextual states) instead of from noise.
 """
 
 from typing import Optional, Sequence
@@ -128,3 +133,46 @@ def warm_start_v2(v1: Drafter, *, selector_rank: int = 256, selector_top_k: int 
     v2.load_weights(list(tree_flatten(v1.parameters())), strict=False)
     mx.eval(v2.parameters())
     return v2
+
+
+LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
+               "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+
+
+def _weight(module) -> mx.array:
+    """A Linear's or norm's weight; a quantized Linear's dequantized."""
+    import mlx.nn as nn
+
+    if isinstance(module, nn.QuantizedLinear):
+        return mx.dequantize(module.weight, module.scales, module.biases, module.group_size,
+                             module.bits)
+    return module.weight
+
+
+def warm_start_from_target(drafter: Drafter, target_model, layer_ids: Sequence[int]) -> Drafter:
+    """Copy target layer ``layer_ids[i]``'s attention, MLP and norm weights into drafter
+    layer i (parts the target lacks, such as Qwen3's q/k norms on a Llama, keep their init)."""
+    from ..target import text_model
+
+    layers = text_model(target_model).layers
+    if len(layer_ids) != len(drafter.layers):
+        raise ValueError(f"{len(layer_ids)} target layers given for {len(drafter.layers)} drafter layers")
+    weights = []
+    for i, j in enumerate(layer_ids):
+        if not 0 <= j < len(layers):
+            raise ValueError(f"target layer {j} does not exist (the target has {len(layers)})")
+        for part in LAYER_PARTS:
+            src, dst = layers[j], drafter.layers[i]
+            for name in part.split("."):
+                src, dst = getattr(src, name, None), getattr(dst, name)
+            if src is None:
+                continue
+            w = _weight(src).astype(dst.weight.dtype)
+            if w.shape != dst.weight.shape:
+                raise ValueError(f"target layer {j} {part} is {w.shape}, drafter layer {i} needs "
+                                 f"{dst.weight.shape}")
+            weights.append((f"layers.{i}.{part}.weight", w))
+    drafter.load_weights(weights, strict=False)
+    mx.eval(drafter.parameters())
+    return drafter
