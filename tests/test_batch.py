@@ -1,0 +1,334 @@
+"""Batched DFlash is lossless per sequence: whatever else shares the batch, a greedy
+sequence emits exactly its plain mlx-lm tokens (and drafts what its single stream drafts),
+a seeded sampled one exactly its single-stream tokens, and sampled tokens follow the
+target's distribution (chi-square, as in test_sampling).  Covers mixed prompts and
+lengths, block sizes 1..8 and changing ones, stop tokens, an abort and a late joiner,
+logits processors per sequence, and the batch cache after every cycle."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+
+import dflash2_mlx as d
+from dflash2_mlx import batch as batch_mod
+from dflash2_mlx.batch import BatchGenerator, batch_generate, draft_hidden
+from dflash2_mlx.draft_context import DraftContext
+from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.speculative import speculative_generate_step
+from dflash2_mlx.target import UnsupportedTargetError, attach
+from test_sampling import chi2_pvalue, exact_joint
+from test_speculative import plain_tokens
+from tiny_models import make_drafter, make_target
+
+FAMILIES = ["qwen3", "llama", "qwen2", "qwen3_moe"]
+PROMPTS = ["abcab dcba", "a", "dd cb", "abcdabcdabcd ab", "cab"]
+LIMITS = [24, 9, 17, 24, 1]  # mixed lengths, one that ends at its first token
+
+
+def single(model, drafter, prompt, n, block_size, **kw):
+    """Tokens and stats of the single-stream cycle."""
+    steps = speculative_generate_step(mx.array(prompt), attach(model, drafter), drafter,
+                                      max_tokens=n, block_size=block_size, **kw)
+    tokens, stats = [], None
+    for t, _, _, stats in steps:
+        tokens.append(t)
+    return tokens, stats
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """family -> (model, tokenizer, drafter): a random drafter that is sometimes right."""
+    out = {}
+    for fam in FAMILIES:
+        root = tmp_path_factory.mktemp(fam)
+        make_target(root / "t", fam, alphabet="abcd", seed=3)
+        for seed in range(10, 60):
+            make_drafter(root / "d", root / "t", version=2, seed=seed)
+            model, tok, drafter = d.load(str(root / "t"), str(root / "d"))
+            _, stats = single(model, drafter, tok.encode("abcab dcba"), 16, 4)
+            if 0 < stats.total_accepted < 3 * stats.cycles:
+                break
+        out[fam] = (model, tok, drafter)
+    return out
+
+
+def run(gen, on_step=None):
+    """Drive ``gen`` to the end: uid -> tokens, uid -> last response."""
+    tokens, last, step = {}, {}, 0
+    while len(gen):
+        for r in gen.next():
+            tokens.setdefault(r.uid, []).append(r.token)
+            last[r.uid] = r
+        step += 1
+        if on_step:
+            on_step(gen, step)
+    return tokens, last
+
+
+def check_parity(model, tok, drafter, block_sizes, batched_drafter=(True,)):
+    """Each sequence of a mixed batch emits its plain mlx-lm tokens and drafts what its
+    single stream drafts (same acceptance: the drafter saw the same context)."""
+    prompts = [tok.encode(p) for p in PROMPTS]
+    refs = [plain_tokens(model, p, n) for p, n in zip(prompts, LIMITS)]
+    accepted_any = False
+    for b in block_sizes:
+        ref_stats = [single(model, drafter, p, n, b)[1] for p, n in zip(prompts, LIMITS)]
+        for batched in batched_drafter:
+            gen = BatchGenerator(model, drafter, block_size=b, batch_drafter=batched)
+            uids = [gen.insert(p, max_tokens=n) for p, n in zip(prompts, LIMITS)]
+            tokens, last = run(gen)
+            for i, uid in enumerate(uids):
+                assert tokens[uid] == refs[i], f"block {b} sequence {i}: diverged"
+                assert last[uid].finish_reason == "length"
+                assert last[uid].stats.total_accepted == ref_stats[i].total_accepted
+                assert last[uid].stats.cycles == ref_stats[i].cycles
+                accepted_any |= ref_stats[i].total_accepted > 0
+    assert accepted_any, "no draft token was ever accepted: the test pair tests nothing"
+
+
+def test_greedy_parity_mixed_batch_all_block_sizes(pairs):
+    check_parity(*pairs["qwen3"], range(1, 9))
+    check_parity(*pairs["qwen3"], [4], batched_drafter=(False,))
+
+
+@pytest.mark.parametrize("family", FAMILIES[1:])
+def test_greedy_parity_other_families(pairs, family):
+    check_parity(*pairs[family], [1, 3, 8])
+
+
+class Scripted:
+    """A batch policy walking a fixed list of block sizes."""
+
+    fallback = False
+
+    def __init__(self, sizes):
+        self.sizes, self.i, self.largest = list(sizes), 0, max(sizes)
+
+    def block_size(self, context):
+        self.i += 1
+        return self.sizes[(self.i - 1) % len(self.sizes)]
+
+    def record(self, b, accepted):
+        pass
+
+
+def test_stop_abort_join_and_changing_blocks(pairs):
+    """A stop token ends one sequence mid-block, one is aborted mid-generation, one joins
+    after a few cycles, one has its own repetition penalty; block sizes change every
+    cycle.  Every survivor still emits its plain tokens."""
+    model, tok, drafter = pairs["qwen3"]
+    p = {k: tok.encode(v) for k, v in dict(stop="abcab dcba", abort="dd cb", late="bca",
+                                             penal="aabbccdd", plain="abcdabcdabcd ab").items()}
+    procs = make_logits_processors(repetition_penalty=1.8, repetition_context_size=6)
+    refs = {k: plain_tokens(model, v, 30, procs if k == "penal" else None) for k, v in p.items()}
+    stop = refs["stop"][7]  # its 8th token ends it
+    gen = BatchGenerator(model, drafter, block_size=Scripted([3, 1, 5, 8, 2, 4, 1, 6]))
+    uid = {k: gen.insert(p[k], max_tokens=30, stop_tokens=[stop] if k == "stop" else (),
+                         logits_processors=procs if k == "penal" else None)
+           for k in ("stop", "abort", "penal", "plain")}
+
+    def on_step(gen, step):
+        if step == 2:
+            assert gen.remove(uid["abort"])
+        if step == 3:
+            uid["late"] = gen.insert(p["late"], max_tokens=30)
+
+    tokens, last = run(gen, on_step)
+    n_stop = refs["stop"].index(stop) + 1
+    assert tokens[uid["stop"]] == refs["stop"][:n_stop]
+    assert last[uid["stop"]].finish_reason == "stop"
+    got = tokens[uid["abort"]]
+    assert 0 < len(got) < 30 and got == refs["abort"][: len(got)]
+    assert last[uid["abort"]].finish_reason is None
+    for k in ("late", "penal", "plain"):
+        assert tokens[uid[k]] == refs[k], k
+        assert last[uid[k]].finish_reason == "length"
+    assert not gen.remove(uid["abort"])  # gone already
+
+
+def test_reused_prefix_and_max_batch(pairs):
+    """Sequences that start from a reused prefix (target cache and draft context holding
+    their first prompt tokens, as the server's prefix cache gives them) emit their plain
+    tokens; with max_batch 2 the others wait for a place."""
+    model, tok, drafter = pairs["qwen3"]
+    target = attach(model, drafter)
+    texts = ["abcab dcba", "dd cb", "abcdabcdabcd ab", "ca"]
+    refs = [plain_tokens(model, tok.encode(t), 16) for t in texts]
+    gen = BatchGenerator(model, drafter, block_size=4, max_batch=2)
+    uids = []
+    for i, t in enumerate(texts):
+        ids = tok.encode(t)
+        cached = len(ids) // 2 if i % 2 == 0 else 0
+        cache, context = target.make_cache(), DraftContext(drafter)
+        if cached:
+            _, features = target(mx.array([ids[:cached]]), cache)
+            context.add(features)
+        uids.append(gen.insert(ids, max_tokens=16, prompt_cache=cache, draft_context=context,
+                               cached_tokens=cached))
+    widths = []
+    tokens, _ = run(gen, lambda g, step: widths.append(len(g.active)))
+    assert [tokens[u] for u in uids] == refs
+    assert max(widths) == 2
+
+
+def _kv(cache, n=None):
+    n = cache[0].offset if n is None else n
+    return [np.array(a) for c in cache for a in (c.keys[..., :n, :], c.values[..., :n, :])]
+
+
+def test_batch_cache_equals_fresh_prefill_after_every_cycle(pairs, monkeypatch):
+    """Each sequence's rows (holes skipped) are its committed tokens' K/V, with compaction
+    running every few cycles; a finished sequence's returned caches too."""
+    monkeypatch.setattr(batch_mod, "COMPACT_MIN_ROWS", 4)
+    model, tok, drafter = pairs["qwen3"]
+    target = attach(model, drafter)
+    prompts = [tok.encode(t) for t in ("dcba abcd", "ab", "cc dd aa bb")]
+    gen = BatchGenerator(model, drafter, block_size=Scripted([4, 6, 2, 8]), return_caches=True)
+    uids = [gen.insert(pr, max_tokens=n) for pr, n in zip(prompts, (30, 20, 26))]
+    committed = {u: list(pr) for u, pr in zip(uids, prompts)}
+    checks, finals = 0, 0
+
+    def fresh(tokens):
+        cache = target.make_cache()
+        target(mx.array([tokens]), cache)
+        return _kv(cache)
+
+    def compare(state, ref):
+        assert len(state) == len(ref)
+        for a, b in zip(state, ref):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+
+    sizes = []
+    while len(gen):
+        for r in gen.next():
+            committed[r.uid].append(r.token)
+            if r.finish_reason:
+                # Its last cycle's kept tokens may go past the emitted ones (max_tokens).
+                n = min(r.cache[0].offset, len(committed[r.uid]))
+                compare(_kv(r.cache, n), fresh(committed[r.uid][:n]))
+                finals += 1
+        sizes.append(gen.batch.rows.size)
+        for i, s in enumerate(gen.active):
+            # In the cache: every committed token but the newest (the next anchor).
+            compare(_kv(gen.batch.extract(i)), fresh(committed[s.uid][:-1]))
+            checks += 1
+    assert finals == 3 and checks >= 10
+    assert any(b < a for a, b in zip(sizes, sizes[1:])), "compaction never ran"
+
+
+def test_batched_drafter_matches_per_sequence_passes(tmp_path):
+    """One drafter pass over left-padded contexts of different lengths, with sliding and
+    causal layers, equals one pass per sequence."""
+    make_target(tmp_path / "t", "qwen3", alphabet="abcd", seed=3)
+    make_drafter(tmp_path / "d", tmp_path / "t", version=2, layers=3, sliding_window=6,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                 is_causal=True)
+    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
+    target = attach(model, drafter)
+    contexts = []
+    for n in (1, 4, 5, 6, 13):
+        ctx = DraftContext(drafter)
+        _, features = target(mx.array([[i % 7 for i in range(n)]]), target.make_cache())
+        ctx.add(features)
+        contexts.append(ctx.fed())
+    blocks = mx.array([[3, 2, 2, 2], [4, 2, 2, 2], [5, 2, 2, 2], [6, 2, 2, 2], [7, 2, 2, 2]])
+    together = draft_hidden(drafter, blocks, contexts)
+    for i, c in enumerate(contexts):
+        alone = drafter(blocks[i : i + 1], c)
+        np.testing.assert_allclose(np.array(together[i]), np.array(alone[0]), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [2, 5])
+def test_seeded_sampled_sequence_matches_its_single_stream(pairs, block_size):
+    """A seeded sequence draws from its own key: it emits its single stream's tokens,
+    next to greedy and unseeded sampled neighbours."""
+    model, tok, drafter = pairs["qwen3"]
+    cases = [("abcab dcba", SamplingParams(temp=1.0), 11),
+             ("dd cb", SamplingParams(temp=0.7, top_k=3), 5),
+             ("bca", SamplingParams(temp=0.9, top_p=0.9), 12)]
+    refs = []
+    for text, params, seed in cases:
+        mx.random.seed(seed)
+        refs.append(single(model, drafter, tok.encode(text), 20, block_size, params=params)[0])
+    gen = BatchGenerator(model, drafter, block_size=block_size)
+    gen.insert(tok.encode("abcd"), max_tokens=20)  # greedy neighbour
+    gen.insert(tok.encode("cab"), max_tokens=20, params=SamplingParams(temp=1.0))
+    uids = [gen.insert(tok.encode(t), max_tokens=20, params=pa, seed=s) for t, pa, s in cases]
+    tokens, _ = run(gen)
+    for uid, ref in zip(uids, refs):
+        assert tokens[uid] == ref
+
+
+def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tmp_path):
+    """Two sampled settings (one with a repetition penalty) and a greedy one share every
+    batch; each sampled setting's first three tokens pass the chi-square test against the
+    exact target distribution and fail it against a nearby wrong one; the greedy ones stay
+    exact.  600 samples a setting (test_sampling takes 1200 for one single stream)."""
+    make_target(tmp_path / "t", "qwen3", alphabet="ab", seed=5, scale=1.5)
+    make_drafter(tmp_path / "d", tmp_path / "t", version=2, seed=22, block_size=4)
+    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
+    rep = (3.0, 4)
+    procs = make_logits_processors(repetition_penalty=rep[0], repetition_context_size=rep[1])
+    settings = {"a": ("ab", dict(temp=0.8, top_p=0.9), None),
+                "b": ("ba", dict(temp=1.2, top_k=4, min_p=0.05), procs)}
+    greedy_prompt = tok.encode("bab")
+    greedy_ref = plain_tokens(model, greedy_prompt, 3)
+    N, per_batch = 600, 100
+    counts = {k: {} for k in settings}
+    accepted = {k: 0 for k in settings}
+    mx.random.seed(0)
+    for _ in range(N // per_batch):
+        gen = BatchGenerator(model, drafter, block_size=3)
+        kinds = {}
+        for j in range(per_batch):
+            for k, (text, kw, pr) in settings.items():
+                kinds[gen.insert(tok.encode(text), max_tokens=3, params=SamplingParams(**kw),
+                                 logits_processors=pr)] = k
+            if j % 10 == 0:
+                kinds[gen.insert(greedy_prompt, max_tokens=3)] = "greedy"
+        tokens, last = run(gen)
+        for uid, k in kinds.items():
+            if k == "greedy":
+                assert tokens[uid] == greedy_ref
+                continue
+            key = tuple(tokens[uid])
+            counts[k][key] = counts[k].get(key, 0) + 1
+            accepted[k] += last[uid].stats.total_accepted
+    for k, (text, kw, pr) in settings.items():
+        prompt = tok.encode(text)
+        r = rep if pr is not None else None
+        joint = exact_joint(model, prompt, 3, rep=r, **kw)
+        p = chi2_pvalue(counts[k], joint, N)
+        assert p > 1e-3, f"setting {k}: tokens do not follow the target distribution (p = {p:.2e})"
+        assert 0 < accepted[k] < 2 * N  # drafts both accepted and rejected
+        # Power: the samples reject a nearby wrong distribution (for the penalized setting,
+        # the same one without its penalty: the processor reached this sequence's rows).
+        wrong_kw = dict(kw, rep=None) if r else dict(kw, rep=None, temp=kw["temp"] * 2)
+        wrong = exact_joint(model, prompt, 3, **wrong_kw)
+        seen = {key: v for key, v in counts[k].items() if key in wrong}
+        assert chi2_pvalue(seen, wrong, sum(seen.values())) < 1e-3
+
+
+def test_batch_generate_matches_generate(pairs):
+    model, tok, drafter = pairs["qwen3"]
+    prompts = ["abcab dcba", "dd cb", "a"]
+    limits = (20, 12, 16)
+    out = batch_generate(model, tok, prompts, drafter, max_tokens=list(limits), block_size=4)
+    for i, (prompt, n) in enumerate(zip(prompts, limits)):
+        ref = list(d.stream_generate(model, tok, prompt, drafter, max_tokens=n, block_size=4))
+        assert out.texts[i] == "".join(r.text for r in ref)
+        assert out.finish_reasons[i] == ref[-1].finish_reason
+        assert out.token_ids[i] == [r.token for r in ref if r.finish_reason != "stop"]
+    assert "stop" in out.finish_reasons  # the eos token ends a sequence, and is not in its text
+    stops = out.finish_reasons.count("stop")
+    assert out.generation_tokens == sum(len(t) for t in out.token_ids) + stops
+
+
+def test_hybrid_target_is_refused(tmp_path):
+    make_target(tmp_path / "t", "qwen3_5", alphabet="abcd", seed=3)
+    make_drafter(tmp_path / "d", tmp_path / "t", version=2)
+    model, _, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
+    with pytest.raises(UnsupportedTargetError, match="attention-only"):
+        BatchGenerator(model, drafter, block_size=4)
