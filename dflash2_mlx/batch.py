@@ -57,6 +57,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 
 from . import adaptive
+from .adaptive import _interp
 from .draft_context import DraftContext
 from .drafter import Drafter, propose
 from .sampling import SamplingParams, probs, processed_logprobs, sample
@@ -457,13 +458,58 @@ def pick(ok: List[bool], candidates: List[int]):
     return accepted, candidates[accepted]
 
 
+def prefill_groups(lengths: List[int], slack: float = 1.25) -> List[List[int]]:
+    """Which joiners are prefilled together (indices): by length, a group grows while its
+    padded rows stay within ``slack`` times its real ones (a padding row is wasted work; on
+    a CPU long prompts gain little from sharing a pass, short ones a lot)."""
+    groups, group = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        rows = sum(lengths[j] for j in group) + lengths[i]
+        if group and lengths[i] * (len(group) + 1) > slack * rows:
+            groups.append(group)
+            group = []
+        group.append(i)
+    return groups + [group] if group else groups
+
+
+class BatchCosts:
+    """The pair's single-stream cost model (``adaptive.CostModel``) as a batch of
+    ``streams`` sequences sees it, for the adaptive policy: a cycle with block b verifies
+    S * b rows and drafts S blocks, so its base cost is the model's at S * b rows (the lines
+    extended past the largest calibrated block along their last slope), and each sequence's
+    own context adds its attention cost.  One sequence: the model itself."""
+
+    def __init__(self, costs):
+        self.costs, self.streams = costs, 1
+
+    def cycle(self, b: int, context: int) -> float:
+        seconds = self._part(self.costs.target, b, context)
+        if b > 1:
+            seconds += self._part(self.costs.drafter, b, context)
+        return seconds
+
+    def _part(self, points: dict, b: int, context: int) -> float:
+        S = self.streams
+        return _rows_base(points, S * b) + S * _interp(points, b)[1] * context
+
+
+def _rows_base(points: dict, rows: int) -> float:
+    keys = sorted(points)
+    if rows <= keys[-1] or len(keys) < 2:
+        return _interp(points, rows)[0]
+    lo, hi = keys[-2], keys[-1]
+    per_row = max(0.0, (points[hi][0] - points[lo][0]) / (hi - lo))
+    return points[hi][0] + per_row * (rows - hi)
+
+
 class BatchGenerator:
     """Continuous batching of DFlash sequences: ``insert`` between calls, ``next`` runs
     the joiners' prefills and one batched draft -> verify -> accept cycle and returns the
     tokens it produced; ``remove`` aborts a sequence.  Not thread-safe: one MLX thread.
 
     ``block_size``: a number (every cycle), "auto" (the adaptive policy, fed with every
-    sequence's acceptance; its cost model is the single-stream one), or a policy object.
+    sequence's acceptance, its costs those of the whole batch: ``BatchCosts``), or a policy
+    object (one whose ``costs`` are ``BatchCosts`` is told the batch's size each cycle).
     ``batch_drafter``: one drafter pass for all blocks (else one per sequence).
     ``max_batch``: sequences that run together; more wait for a place."""
 
@@ -480,7 +526,10 @@ class BatchGenerator:
             from .generate import check_block_size
 
             block_size = check_block_size(drafter, block_size)
-            self.policy = adaptive.policy(self.target, drafter, block_size)
+            costs = None
+            if block_size == adaptive.AUTO:
+                costs = BatchCosts(adaptive.cost_model(self.target, drafter))
+            self.policy = adaptive.policy(self.target, drafter, block_size, costs=costs)
         self.draft_window = draft_window
         self.prefill_step_size = prefill_step_size
         self.batch_drafter = batch_drafter
@@ -529,6 +578,13 @@ class BatchGenerator:
                 return True
         return False
 
+    def extract_cache(self, uid: int):
+        """A running sequence's (target cache, draft context) as a single stream's, e.g.
+        for a prefix cache before ``remove``; the target cache holds every committed token
+        but the newest (the next anchor)."""
+        i = next(i for i, s in enumerate(self.active) if s.uid == uid)
+        return self.batch.extract(i), self.active[i].context
+
     def next(self) -> List[Response]:
         """Admit waiting sequences (their first tokens), then one cycle for all."""
         out = self._admit()
@@ -543,24 +599,38 @@ class BatchGenerator:
 
     # -- joining ------------------------------------------------------------------------
     def _admit(self) -> List[Response]:
-        """Prefill the waiting sequences together and sample each one's first token; they
-        join the batch.  One target pass per chunk of their uncached prompt tokens,
-        right-padded (a padding row comes after a sequence's real rows, so they never see
-        it; it is dead once the pass is committed)."""
+        """Prefill the waiting sequences (as many as there are places) and sample each
+        one's first token; they join the batch.  Prompts of similar lengths are prefilled
+        together (``prefill_groups``)."""
         places = int(min(len(self.waiting), self.max_batch - len(self.active)))
         joiners, self.waiting = self.waiting[:places], self.waiting[places:]
-        if not joiners:
-            return []
+        out = []
+        for group in prefill_groups([s.prompt.size - s.cached_tokens for s in joiners]):
+            seqs = [joiners[i] for i in group]
+            batch, last = self._prefill(seqs)
+            for s, logits in zip(seqs, last):
+                logprobs = processed_logprobs(logits, s.prompt[:-1], s.prompt[-1:], s.processors)
+                with _KeyScope(s):
+                    s.anchor = int(sample(logprobs, s.params)[0].item())
+                out += self._emit(s, [s.anchor], logprobs, 0)
+            self.batch.extend(batch)
+            self.active += seqs
+        return out
+
+    def _prefill(self, seqs: List[_Sequence]):
+        """One target pass per chunk of the sequences' uncached prompt tokens, right-padded
+        (a padding row comes after a sequence's real rows, so they never see it; it is a
+        hole once the pass is committed).  Their caches, and each one's last logits."""
         batch = TargetBatch(self.batch.kinds)
-        for s in joiners:
+        for s in seqs:
             batch.add(s.prompt_cache)
             s.prompt_cache = None
             s.context = s.context or DraftContext(self.drafter, self.draft_window)
             s.stats = CycleStats(self.policy.largest)
             s.history = s.prompt
-        rest = [s.prompt[s.cached_tokens:].tolist() for s in joiners]
-        last = [None] * len(joiners)
-        width = max(1, self.prefill_step_size // len(joiners))  # rows per pass, all joiners
+        rest = [s.prompt[s.cached_tokens:].tolist() for s in seqs]
+        last = [None] * len(seqs)
+        width = max(1, self.prefill_step_size // len(seqs))  # rows per pass, all sequences
         for start in range(0, max(len(r) for r in rest), width):
             chunks = [r[start : start + width] for r in rest]
             w = max(len(c) for c in chunks)
@@ -568,21 +638,13 @@ class BatchGenerator:
             kept = [len(c) for c in chunks]
             logits, features = batch.forward(self.target, ids, None if min(kept) == w else kept)
             batch.rows.commit(kept)
-            for i, s in enumerate(joiners):
+            for i, s in enumerate(seqs):
                 if kept[i]:
                     s.context.add(features[i : i + 1, : kept[i]])
                 if kept[i] and start + kept[i] == len(rest[i]):
                     last[i] = logits[i, kept[i] - 1 : kept[i]]
             mx.eval(last, [c.state for c in batch.layers])
-        out = []
-        for s, logits in zip(joiners, last):
-            logprobs = processed_logprobs(logits, s.prompt[:-1], s.prompt[-1:], s.processors)
-            with _KeyScope(s):
-                s.anchor = int(sample(logprobs, s.params)[0].item())
-            out += self._emit(s, [s.anchor], logprobs, 0)
-        self.batch.extend(batch)
-        self.active += joiners
-        return out
+        return batch, last
 
     def _leave(self):
         """Finished sequences leave the batch (with return_caches their caches go with
@@ -600,6 +662,9 @@ class BatchGenerator:
         seqs = self.active
         if not seqs:
             return []
+        costs = getattr(self.policy, "costs", None)
+        if isinstance(costs, BatchCosts):
+            costs.streams = len(seqs)
         b = self.policy.block_size(max(s.history.size for s in seqs))
         anchors = mx.array([s.anchor for s in seqs], dtype=mx.int32)[:, None]
         drafts, qs = [], []

@@ -14,7 +14,9 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
 from dflash2_mlx import batch as batch_mod
-from dflash2_mlx.batch import BatchGenerator, batch_generate, draft_hidden
+from dflash2_mlx.adaptive import CostModel, best_block
+from dflash2_mlx.batch import (BatchCosts, BatchGenerator, batch_generate, draft_hidden,
+                               prefill_groups)
 from dflash2_mlx.draft_context import DraftContext
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.speculative import speculative_generate_step
@@ -208,9 +210,9 @@ def test_batch_cache_equals_fresh_prefill_after_every_cycle(pairs, family, monke
                 compare(r.cache, committed[r.uid][:n])
                 finals += 1
         sizes.append(gen.batch.rows.size)
-        for i, s in enumerate(gen.active):
+        for s in gen.active:
             # In the cache: every committed token but the newest (the next anchor).
-            compare(gen.batch.extract(i), committed[s.uid][:-1])
+            compare(gen.extract_cache(s.uid)[0], committed[s.uid][:-1])
             checks += 1
     assert finals >= 1 and checks >= 10
     assert any(b < a for a, b in zip(sizes, sizes[1:])), "compaction never ran"
@@ -322,6 +324,48 @@ def test_batch_generate_matches_generate(pairs):
     assert "stop" in out.finish_reasons  # the eos token ends a sequence, and is not in its text
     stops = out.finish_reasons.count("stop")
     assert out.generation_tokens == sum(len(t) for t in out.token_ids) + stops
+
+
+def test_batch_costs_and_prefill_groups():
+    """A batch's cycle costs what its S * b rows cost (one sequence: the model itself), so
+    a CPU-like machine drafts for one stream and decodes plain for eight at the same
+    acceptance; prefill groups keep padding within 25% of the real rows."""
+    cpu = CostModel({1: (1.0, 0.001), 8: (1.7, 0.002)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
+    costs = BatchCosts(cpu)
+    for b in range(1, 9):
+        assert costs.cycle(b, 100) == pytest.approx(cpu.cycle(b, 100))
+    costs.streams = 8
+    assert costs.cycle(4, 0) == pytest.approx(1.7 + 0.1 * 24 + 0.2)  # 32 rows, the 1..8 slope
+    assert costs.cycle(1, 10) == pytest.approx(1.7 + 8 * 0.001 * 10)
+    rates = [0.5] * 7
+    costs.streams = 1
+    assert best_block(rates, costs, 0, 8) > 1
+    costs.streams = 8
+    assert best_block(rates, costs, 0, 8) == 1
+    assert prefill_groups([100, 3, 98, 5, 4, 300]) == [[1, 4, 3], [2, 0], [5]]
+    assert prefill_groups([7]) == [[0]] and prefill_groups([]) == []
+
+
+def test_adaptive_policy_sees_the_batch(pairs):
+    """Block size "auto" over a batch: the policy's costs follow the batch's size as
+    sequences leave, it drafts (drafts are nearly free here), and every sequence still
+    emits its plain tokens."""
+    from dflash2_mlx import adaptive
+
+    model, tok, drafter = pairs["qwen3"]
+    gpu = CostModel({1: (1.0, 0.0), 8: (1.0, 0.0)}, {2: (0.05, 0.0), 8: (0.05, 0.0)})
+    costs = BatchCosts(gpu)
+    policy = adaptive.policy(attach(model, drafter), drafter, adaptive.AUTO, costs=costs,
+                             history=False)
+    gen = BatchGenerator(model, drafter, block_size=policy)
+    texts, limits = ["abcab dcba", "dd cb", "a"], [24, 12, 4]
+    uids = [gen.insert(tok.encode(t), max_tokens=n) for t, n in zip(texts, limits)]
+    streams = []
+    tokens, last = run(gen, lambda g, step: streams.append(costs.streams))
+    for uid, t, n in zip(uids, texts, limits):
+        assert tokens[uid] == plain_tokens(model, tok.encode(t), n)
+        assert max(last[uid].stats.block_sizes) > 1
+    assert streams[0] == 3 and streams[-1] == 1
 
 
 def test_sliding_window_target_is_refused(tmp_path):
