@@ -42,13 +42,14 @@ def single(model, drafter, prompt, n, block_size, **kw):
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    """family -> (model, tokenizer, drafter): a random drafter that is sometimes right."""
+    """family -> (model, tokenizer, drafter): a random DFlash 2 drafter that is sometimes
+    right; "qwen3-v1": the qwen3 target with a DFlash v1 drafter."""
     out = {}
-    for fam in FAMILIES:
+    for fam in FAMILIES + ["qwen3-v1"]:
         root = tmp_path_factory.mktemp(fam)
-        make_target(root / "t", fam, alphabet="abcd", seed=3)
+        make_target(root / "t", fam.split("-")[0], alphabet="abcd", seed=3)
         for seed in range(10, 60):
-            make_drafter(root / "d", root / "t", version=2, seed=seed)
+            make_drafter(root / "d", root / "t", version=1 if fam.endswith("v1") else 2, seed=seed)
             model, tok, drafter = d.load(str(root / "t"), str(root / "d"))
             _, stats = single(model, drafter, tok.encode("abcab dcba"), 16, 4)
             if 0 < stats.total_accepted < 3 * stats.cycles:
@@ -96,7 +97,7 @@ def test_greedy_parity_mixed_batch_all_block_sizes(pairs):
     check_parity(*pairs["qwen3"], [4], batched_drafter=(False,))
 
 
-@pytest.mark.parametrize("family", FAMILIES[1:])
+@pytest.mark.parametrize("family", FAMILIES[1:] + ["qwen3-v1"])
 def test_greedy_parity_other_families(pairs, family):
     check_parity(*pairs[family], [1, 3, 8])
 
@@ -240,7 +241,8 @@ def test_batched_drafter_matches_per_sequence_passes(tmp_path):
         np.testing.assert_allclose(np.array(together[i]), np.array(alone[0]), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family,block_size", [("qwen3", 2), ("qwen3", 5), ("qwen3_5", 4)])
+@pytest.mark.parametrize("family,block_size",
+                         [("qwen3", 2), ("qwen3", 5), ("qwen3_5", 4), ("qwen3-v1", 4)])
 def test_seeded_sampled_sequence_matches_its_single_stream(pairs, family, block_size):
     """A seeded sequence draws from its own key: it emits its single stream's tokens,
     next to greedy and unseeded sampled neighbours."""
