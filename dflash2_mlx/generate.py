@@ -133,10 +133,11 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
         block_size = check_block_size(drafter, block_size)
         target = attach(model, drafter)
         # "auto" measures the machine's costs on a pair's first request (about a second).
-        # With a seed it starts without the pair's history: same seed and costs, same text.
+        # Sampling with a seed starts without the pair's history (same seed and costs, same
+        # text); greedy text is the target's whatever the block sizes, so it always uses it.
         policy = adaptive.policy(
             target, drafter, adaptive.AUTO if verify_mode == "adaptive" else block_size,
-            greedy=params.greedy, history=seed is None,
+            greedy=params.greedy, history=seed is None or params.greedy,
             largest=None if block_size == adaptive.AUTO else block_size)
         tokens = speculative_generate_step(
             ids, target, drafter, max_tokens=limit, params=params,

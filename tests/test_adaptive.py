@@ -304,6 +304,27 @@ def test_history_seeds_the_next_request(pair, tmp_path, monkeypatch):
     assert adaptive.policy(target, drafter, greedy=True, costs=CPU, history=False).block_size(0) > 1
 
 
+def test_seeded_requests_use_the_history_only_when_greedy(pair, tmp_path, monkeypatch):
+    """A seed keeps sampled text reproducible, so sampling ignores the history then; greedy
+    text cannot depend on it, so a seeded greedy request still starts from it."""
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    model, tok, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    adaptive._costs[adaptive.cost_key(target, drafter)] = CostModel(CPU.target, CPU.drafter)
+    weak = Acceptance.empty(7)
+    for _ in range(20):
+        weak.record(8, 0)
+    for greedy in (True, False):
+        adaptive.save_history(adaptive.pair_key(target, drafter, greedy), weak)
+    sizes = {}
+    for temp in (0.0, 1.0):
+        for r in d.stream_generate(model, tok, "abcab dcba", drafter, max_tokens=8, temp=temp, seed=1):
+            sizes[temp] = r.block_sizes
+    adaptive._costs.clear()
+    assert set(sizes[0.0]) == {1}  # the history says this drafter is weak here: plain
+    assert max(sizes[1.0]) > 1  # no history: the prior says draft
+
+
 # --- sampling stays exact -------------------------------------------------------------------------
 
 N = 1200
