@@ -35,6 +35,7 @@ def serve(
     max_models: int = typer.Option(1, "--max-models", help="Most models loaded at once; the least recently used idle one is unloaded."),
     memory_budget: Optional[float] = typer.Option(None, "--memory-budget", help="Most GB of weights loaded at once."),
     queue_size: int = typer.Option(8, "--queue-size", help="Requests that may wait per model; one more gets 503."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Per model: requests that run at once; DFlash requests share one batched draft and verify pass, each lossless (1: one at a time). A model's max_batch setting overrides it."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Default max_tokens when a request and the settings give none."),
     preload: bool = typer.Option(False, "--preload/--lazy", help="Load the --model models at start instead of on the first request."),
     prefix_cache_gb: float = typer.Option(1.0, "--prefix-cache-gb", help="Per model: most GB of prompt caches kept for reuse by later requests that share a prefix (0: off). A model's prefix_cache_gb setting overrides it."),
@@ -61,11 +62,13 @@ def serve(
         raise typer.BadParameter("--draft needs exactly one --model")
     if prefix_cache_gb < 0:
         raise typer.BadParameter("--prefix-cache-gb must be >= 0")
+    if max_batch < 1:
+        raise typer.BadParameter("--max-batch must be >= 1")
     overrides = {m: {"dflash_enabled": True, "dflash_draft_model": draft} for m in models} if draft else {}
     pool = EnginePool(SettingsStore(settings), model_dir=model_dir, models=models, overrides=overrides,
                       max_models=max(max_models, 1), memory_budget_gb=memory_budget,
                       max_queue=queue_size, default_max_tokens=max_tokens,
-                      prefix_cache_gb=prefix_cache_gb)
+                      prefix_cache_gb=prefix_cache_gb, max_batch=max_batch)
     try:  # a settings problem is one line now, not a traceback from the first load
         pool.store.read()
         for model_id in models if preload else ():

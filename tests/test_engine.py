@@ -48,10 +48,19 @@ def reference(models):
 def engine(models):
     _, target, drafter = models
     e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)),
-               model_id="tiny", max_queue=1)
+               model_id="tiny", max_queue=1, max_batch=2)
     run(e.start())
     yield e
     run(e.stop())
+
+
+async def idle(engine, timeout=30.0):
+    """Wait until the engine has let go of every request (aborts end on the worker)."""
+    for _ in range(int(timeout / 0.01)):
+        if not engine.has_active_requests():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("requests still active")
 
 
 async def joined(chunks):
@@ -112,9 +121,13 @@ def test_stop_matcher_holds_back_partial_matches():
 
 
 def test_queue_limit_and_abort(engine):
+    """max_batch (2) requests run, max_queue (1) waits, one more is refused; an abort frees
+    a place for the waiting one."""
     async def scenario():
         long = engine.stream_generate("hello", request_id="long", max_tokens=400, logit_bias=NO_EOS)
         first = await long.__anext__()
+        other = engine.stream_generate("hey", request_id="other", max_tokens=400, logit_bias=NO_EOS)
+        await other.__anext__()
         waiting = asyncio.create_task(engine.generate("hello", request_id="waiting", max_tokens=5))
         for _ in range(200):
             if engine.get_stats()["queued_requests"] == 1:
@@ -127,14 +140,15 @@ def test_queue_limit_and_abort(engine):
         rest = [c async for c in long]
         assert rest[-1].finish_reason == "abort" and rest[-1].completion_tokens < 400
         done = await waiting
+        await other.aclose()
         assert done.completion_tokens == 5 and done.finish_reason == "length"
-        assert not engine.has_active_requests()
+        await idle(engine)
         return first
 
     aborted = engine.get_stats()["aborted_requests"]
     run(scenario())
     stats = engine.get_stats()
-    assert stats["aborted_requests"] == aborted + 1 and stats["rejected_requests"] >= 1
+    assert stats["aborted_requests"] == aborted + 2 and stats["rejected_requests"] >= 1
 
 
 def test_consumer_leaving_stops_generation(engine):
@@ -261,3 +275,50 @@ def test_pool_memory_budget(models, tmp_path):
         await pool.stop()
 
     run(scenario())
+
+
+def test_concurrent_requests_share_the_batch_and_each_keeps_its_text(models, reference):
+    """Requests that run together are verified in one batch; each greedy one still gets
+    exactly its generate() text (mixed prompts and lengths, a stop string, an abort), and
+    the seeded sampled one its single-stream text (it runs next to the batch)."""
+    _, target, drafter = models
+    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)),
+               model_id="tiny", max_batch=6)
+    run(e.start())
+    full = reference("hello world", max_tokens=40)
+    stop = full[12:15]
+    asks = [("hello world", dict(max_tokens=40, stop=[stop])),
+            ("a much longer prompt about the sea and the sky", dict(max_tokens=30)),
+            ("hey", dict(max_tokens=7)),
+            ("zebra", dict(max_tokens=25, logit_bias=NO_EOS)),
+            ("hello world", dict(max_tokens=16, temperature=1.0, seed=7, logit_bias=NO_EOS))]
+
+    async def scenario():
+        doomed = e.stream_generate("abort me", request_id="doomed", max_tokens=400, logit_bias=NO_EOS)
+        await doomed.__anext__()
+        tasks = [asyncio.create_task(e.generate(p, **kw)) for p, kw in asks]
+        await asyncio.sleep(0.05)
+        assert e.abort("doomed") == 1
+        rest = [c async for c in doomed]
+        return await asyncio.gather(*tasks), rest[-1]
+
+    try:
+        done, aborted = run(scenario())
+        stats = e.get_stats()
+        assert stats["batching"] and stats["peak_batch_size"] >= 3 and stats["mean_batch_size"] > 1
+    finally:
+        run(e.stop())
+    assert aborted.finish_reason == "abort" and aborted.completion_tokens < 400
+    assert done[0].text == full[: full.find(stop)] and done[0].finish_reason == "stop"
+    for (prompt, kw), got in zip(asks[1:], done[1:]):
+        want = reference(prompt, max_tokens=kw["max_tokens"], temp=kw.get("temperature", 0.0),
+                         seed=kw.get("seed"), logits_processors=_bias(kw.get("logit_bias")))
+        assert got.text == want, (prompt, kw)
+        assert got.completion_tokens <= kw["max_tokens"] and got.cycles > 0
+        assert sum(got.block_sizes.values()) == got.cycles
+
+
+def _bias(bias):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    return make_logits_processors(logit_bias=bias) if bias else None

@@ -2,6 +2,7 @@
 and raw HTTP: parity with generate(), parameters, errors, disconnects, queueing."""
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -21,6 +22,7 @@ from tiny_models import byte_chars, make_drafter, make_target, on_worker, worker
 NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: keeps long generations going
 CHAT = [{"role": "user", "content": "say hi"}]
 WINDOW = 6000  # the tiny model's context window in these tests
+MAX_BATCH = 2  # requests the server runs at once (batched); more wait in its queue of 1
 
 
 def free_port() -> int:
@@ -71,7 +73,7 @@ def server(tmp_path_factory):
     SettingsStore(settings).set("tiny", dflash_enabled=True, dflash_draft_model=str(drafter),
                                 max_context_window=WINDOW)
     proc, base = start_server(root, ["--model-dir", root / "models", "--settings", settings,
-                                     "--queue-size", "1", "--log-level", "warning"])
+                                     "--queue-size", "1", "--max-batch", MAX_BATCH, "--log-level", "warning"])
     yield {"base": base, "target": target, "drafter": drafter, "settings": settings, "proc": proc,
            "root": root, "log": root / "server.log"}
     stop_server(proc)
@@ -239,9 +241,12 @@ def test_full_queue_answers_503_and_queued_request_completes(server):
     async def scenario():
         async with httpx.AsyncClient(base_url=server["base"], timeout=60) as http:
             long = {"model": "tiny", "prompt": "hello", "max_tokens": 5000, "stream": True, "logit_bias": NO_EOS}
-            async with http.stream("POST", "/v1/completions", json=long) as running:
-                lines = running.aiter_lines()
-                await lines.__anext__()
+            async with contextlib.AsyncExitStack() as streams:
+                readers = []  # kept: a line reader dropped unfinished closes its stream
+                for _ in range(MAX_BATCH):  # every running place taken
+                    running = await streams.enter_async_context(http.stream("POST", "/v1/completions", json=long))
+                    readers.append(running.aiter_lines())
+                    await readers[-1].__anext__()
                 queued = asyncio.create_task(http.post(
                     "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 6}))
                 for _ in range(400):
@@ -253,7 +258,8 @@ def test_full_queue_answers_503_and_queued_request_completes(server):
                 refused_in = time.perf_counter() - t
                 assert full.status_code == 503, full.text
                 assert full.json()["error"]["code"] == "queue_full" and refused_in < 2.0
-            done = await queued  # the long stream closed: the queued request runs
+                assert not queued.done()
+            done = await queued  # the long streams closed: the queued request runs
             assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 6
 
     asyncio.run(scenario())

@@ -3,11 +3,21 @@ drives: ``start``/``stop``, ``generate``/``stream_generate``, ``chat``/``stream_
 ``count_chat_tokens``, ``get_stats``, ``has_active_requests`` and ``abort``.
 
 Every MLX call runs on the backend's one worker thread (``worker.py``); the event loop only
-tokenizes and moves text. Requests run one at a time, first come first served, with at most
-``max_queue`` waiting; one more is refused with QueueFull when its stream is made, before any
-chunk (a request holds its place in the queue from then on). A prefix cache
+tokenizes and moves text. Up to ``max_batch`` requests run at once, first come first served,
+with at most ``max_queue`` waiting; one more is refused with QueueFull when its stream is
+made, before any chunk (a request holds its place in the queue from then on). A prefix cache
 (``prefix_cache.py``) lets a request start from the caches of an earlier one that shares
 its first tokens.
+
+Continuous batching: DFlash requests that run at the same time share one ``BatchGenerator``
+(``batch.py``), stepped by one worker job: each step lets the requests that got their turn
+join, drops aborted ones, and runs one batched draft -> verify cycle for all; every sequence
+keeps its own acceptance, so each stays lossless (greedy: its single-stream text). Requests
+the batch cannot serve run as their own stepped job next to it, one token a step, each with
+its own random key: plain decoding (no drafter, ``dflash_max_ctx``), targets the batch
+refuses (sliding windows), ``max_batch`` 1 (the one-at-a-time server), and seeded sampled
+requests with adaptive block sizes (the batch's block sizes depend on its other sequences,
+and a seed promises its single-stream text).
 """
 
 import asyncio
@@ -18,6 +28,7 @@ import logging
 import threading
 import time
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Sequence
@@ -91,25 +102,33 @@ class Completion:
 
 
 class _Turns:
-    """First-come-first-served admission: one request runs, ``max_waiting`` may wait."""
+    """First-come-first-served admission: ``max_running`` requests run, ``max_waiting`` may wait."""
 
-    def __init__(self, max_waiting: int):
+    def __init__(self, max_waiting: int, max_running: int = 1):
         self.max_waiting = max_waiting
-        self.busy = False
+        self.max_running = max_running
+        self.running = 0
         self.waiters = collections.deque()
 
     def reserve(self) -> asyncio.Future:
         """A place in line, taken now: a future that is done when it is this request's turn.
         Raises QueueFull when ``max_waiting`` are waiting already."""
         turn = asyncio.get_running_loop().create_future()
-        if not self.busy and not self.waiters:
-            self.busy = True
+        if self.running < self.max_running and not self.waiters:
+            self.running += 1
             turn.set_result(None)
         elif len(self.waiters) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiters)} requests are already waiting for this model")
         else:
             self.waiters.append(turn)
         return turn
+
+    def resize(self, max_running: int):
+        """Change the limit (a settings edit); a raised one lets waiters start now."""
+        self.max_running = max_running
+        while self.waiters and self.running < self.max_running:
+            self.running += 1
+            self.leave()
 
     def cancel(self, turn: asyncio.Future):
         """Give up a place: leave the line, or pass the turn on if it had come."""
@@ -119,7 +138,9 @@ class _Turns:
             self.leave()
 
     def leave(self):
-        while self.waiters:
+        """A running request is done: its place goes to the first waiter (unless the limit
+        has been lowered meanwhile)."""
+        while self.waiters and self.running <= self.max_running:
             turn = self.waiters.popleft()
             if not turn.done():
                 try:
@@ -127,7 +148,7 @@ class _Turns:
                     return
                 except RuntimeError:  # its event loop has closed
                     continue
-        self.busy = False
+        self.running -= 1
 
 
 class _Request:
@@ -142,6 +163,53 @@ class _Request:
         self.turn: Optional[asyncio.Future] = None
         self.queued = False
         self.chunks: Optional[asyncio.Queue] = None
+        self.done: Optional[Future] = None  # in the batch: set when the batch is done with it
+
+
+class _Reply:
+    """A request's text on its way out (both decoding paths): stop strings, tool calls, and
+    the finish reason the client sees."""
+
+    def __init__(self, tokenizer, params: dict, tools):
+        stop = params.get("stop") or []
+        self.matcher = StopMatcher([stop] if isinstance(stop, str) else list(stop))
+        self.tools = ToolCallSplitter(tokenizer, tools)
+        self.made_calls = False
+
+    def add(self, segment: str, finish_reason: Optional[str]):
+        """A token's text and the generator's finish reason -> (content, calls, finish)."""
+        if finish_reason == "length":  # a character cut by max_tokens is left out
+            segment = segment.rstrip("\ufffd")
+        text, hit = self.matcher.add(segment)
+        finish = None
+        if hit:
+            finish = "stop"
+        elif finish_reason:
+            finish = finish_reason
+            text += self.matcher.flush()
+        content, raw_calls = self.tools.add(text)
+        if finish:
+            tail, more = self.tools.flush()
+            content, raw_calls = content + tail, raw_calls + more
+        calls = self.tools.format(raw_calls)
+        self.made_calls |= bool(calls)
+        if finish == "stop" and self.made_calls:
+            finish = "tool_calls"
+        return content, calls, finish
+
+
+class _Joined:
+    """A request in the batch (worker thread only)."""
+
+    def __init__(self, request: _Request, push, start, reply: _Reply, detokenizer, engine: dict):
+        self.request, self.push, self.start, self.reply = request, push, start, reply
+        self.detokenizer, self.engine = detokenizer, engine
+        self.tokens: List[int] = []  # every token the batch produced for it, in order
+        self.n = 0  # completion tokens counted for the client
+        self.last = None  # its latest Response
+        self.finish: Optional[str] = None
+        self.joined = time.perf_counter()
+        self.first: Optional[float] = None  # when its first token came
 
 
 log = logging.getLogger("dflash2_mlx.engine")
@@ -157,7 +225,7 @@ class Engine:
     def __init__(self, model_path, settings: Optional[ModelSettings] = None, *,
                  draft: Optional[str] = None, model_id: Optional[str] = None,
                  max_queue: int = 8, default_max_tokens: int = 512, worker=None,
-                 prefix_cache_gb: float = 1.0):
+                 prefix_cache_gb: float = 1.0, max_batch: int = 8):
         self.model_path = str(model_path)
         self.settings = settings or ModelSettings()
         if draft is not None:
@@ -170,7 +238,14 @@ class Engine:
         self.vocab_size: Optional[int] = None
         self._worker = worker or default_worker()
         self._model = self._drafter = None
-        self._turns = _Turns(max_queue)
+        self.max_batch = max_batch
+        self._turns = _Turns(max_queue, self._max_batch())
+        self._batchable = False  # the target's caches can be batched (set at load)
+        self._batch = None  # the BatchGenerator (worker thread), made on first use
+        self._batch_key = None  # the settings it was made with
+        self._batch_job = None  # the job stepping it, while it has requests
+        self._joins = []  # (request, push) waiting to join the batch, under _batch_lock
+        self._batch_lock = threading.Lock()
         self._requests = {}
         self._jobs = set()
         self._stats = EngineStats()
@@ -200,6 +275,7 @@ class Engine:
         if drafter is not None and self.settings.dflash_block_size is not None:
             check_block_size(drafter, self.settings.dflash_block_size)
         self._model, self.tokenizer, self._drafter = model, tokenizer, drafter
+        self._batchable = drafter is not None and _batchable(model, drafter)
         self.context_window = self.settings.max_context_window or _config_value(model, "max_position_embeddings")
         self.vocab_size = _config_value(model, "vocab_size")
 
@@ -214,7 +290,9 @@ class Engine:
     def _free(self):
         import mlx.core as mx
 
-        self._model = self._drafter = None
+        if self._batch is not None:
+            self._batch.close()
+        self._model = self._drafter = self._batch = None
         self.prefix_cache.clear()
         gc.collect()
         mx.clear_cache()
@@ -234,6 +312,7 @@ class Engine:
         stats = self._stats.snapshot()
         stats.update(model=self.model_id, loaded=self._model is not None,
                      drafter=self.settings.draft, max_queue=self.max_queue,
+                     max_batch=self._max_batch(), batching=self._batchable and self._max_batch() > 1,
                      engine=self.settings.engine(), **self.prefix_cache.stats())
         return stats
 
@@ -308,6 +387,7 @@ class Engine:
 
     def _admit(self, request: _Request):
         """Take the request's place in line, or refuse it with QueueFull."""
+        self._turns.resize(self._max_batch())
         try:
             request.turn = self._turns.reserve()
         except QueueFull:
@@ -350,7 +430,10 @@ class Engine:
             def push(item):
                 _call_soon(loop, request.chunks.put_nowait, item)
 
-            job = self._worker.submit(self._steps, request, push)
+            if self._batched(request):
+                job = self._join_batch(request, push)
+            else:
+                job = self._worker.submit(_own_random(self._steps), request, push)
             self._jobs.add(job)
             job.add_done_callback(lambda f: _call_soon(loop, self._finished, request, f))
             while True:
@@ -377,6 +460,222 @@ class Engine:
         self._turns.leave()
         self.last_used = time.monotonic()
 
+    # Request options ------------------------------------------------------------------
+    def _max_batch(self) -> int:
+        return max(1, _first(self.settings.max_batch, self.max_batch))
+
+    def _max_tokens(self, p: dict) -> int:
+        return _first(p.get("max_tokens"), self.settings.max_tokens, self.default_max_tokens)
+
+    def _sampling(self, p: dict) -> dict:
+        s = self.settings
+        return dict(temp=_first(p.get("temperature"), s.temperature, 0.0),
+                    top_p=_first(p.get("top_p"), s.top_p, 1.0),
+                    top_k=_first(p.get("top_k"), s.top_k, 0),
+                    min_p=_first(p.get("min_p"), s.min_p, 0.0))
+
+    def _block_policy(self):
+        """The batch's block size: fixed, "auto", or (verify mode "adaptive" with a block
+        size) the adaptive policy up to it, as ``stream_generate`` chooses for one stream."""
+        s = self.settings
+        mode = s.verify_mode(0)
+        if mode == "dflash" and s.dflash_block_size is not None:
+            return s.dflash_block_size
+        if mode == "adaptive" and s.dflash_block_size is not None:
+            from .. import adaptive
+            from ..batch import BatchCosts
+            from ..target import attach
+
+            target = attach(self._model, self._drafter)
+            costs = BatchCosts(adaptive.cost_model(target, self._drafter))
+            return adaptive.policy(target, self._drafter, adaptive.AUTO, costs=costs,
+                                   largest=s.dflash_block_size)
+        return "auto"
+
+    def _batched(self, request: _Request) -> bool:
+        """Whether the request joins the batch (see the module docstring for who does not)."""
+        s = self.settings
+        mode = s.verify_mode(len(request.ids))
+        if not self._batchable or self._max_batch() < 2 or mode == "off":
+            return False
+        fixed = mode == "dflash" and s.dflash_block_size is not None
+        sampled = self._sampling(request.params)["temp"] > 0
+        return fixed or not (sampled and request.params.get("seed") is not None)
+
+    # The batch --------------------------------------------------------------------------
+    def _join_batch(self, request: _Request, push) -> Future:
+        """Hand the request to the batch job (starting one when none runs); the future is
+        done when the job is done with the request."""
+        request.done = Future()
+        with self._batch_lock:
+            self._joins.append((request, push))
+            if self._batch_job is None:
+                self._batch_job = self._worker.submit(self._batch_steps)
+                loop = asyncio.get_running_loop()
+                self._jobs.add(self._batch_job)
+                self._batch_job.add_done_callback(
+                    lambda f: _call_soon(loop, self._jobs.discard, f))
+        return request.done
+
+    def _batch_steps(self):
+        """The batch job (worker thread): each step, the requests whose turn came join,
+        aborted ones leave, then one cycle for all; it ends when no request is left."""
+        joined: Dict[int, _Joined] = {}  # uid -> request
+        while True:
+            with self._batch_lock:
+                joins, self._joins = collections.deque(self._joins), []
+                if not joins and not joined:
+                    self._batch_job = None
+                    return
+            try:
+                gen = self._batch_generator()
+                while joins:
+                    self._join(gen, joined, *joins[0])
+                    joins.popleft()
+                for uid, j in list(joined.items()):
+                    if j.request.aborted.is_set():
+                        j.finish = "abort"
+                        j.push(Chunk("", "abort", len(j.request.ids), j.n, cached_tokens=j.start.reused,
+                                     engine=j.engine))
+                        self._leave(gen, joined, uid)
+                if joined:
+                    self._batch_cycle(gen, joined)
+            except Exception as e:  # the batch is in an unknown state: its requests fail
+                log.exception("batched generation failed")
+                for uid in list(joined):
+                    joined[uid].finish = "error"
+                    joined[uid].push(e)
+                    self._done(joined.pop(uid))
+                for request, push in joins:  # not in the batch yet
+                    self._refuse(request, push, "error", e)
+                self._batch = None
+            yield
+
+    def _batch_generator(self):
+        """The engine's BatchGenerator, (re)made when the settings it follows changed."""
+        from ..batch import BatchGenerator
+
+        s = self.settings
+        key = (s.verify_mode(0), s.dflash_block_size, s.dflash_draft_window)
+        if self._batch is None or self._batch_key != key:
+            if self._batch is not None:
+                if len(self._batch):
+                    return self._batch  # still running: the new settings wait for it to empty
+                self._batch.close()
+            self._batch = BatchGenerator(self._model, self._drafter, block_size=self._block_policy(),
+                                         draft_window=s.dflash_draft_window or None,
+                                         return_caches=True)
+            self._batch_key = key
+        return self._batch
+
+    def _join(self, gen, joined: Dict[int, "_Joined"], request: _Request, push):
+        """Put a request into the batch: its prefix-cache start, sampling and stops."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        from ..sampling import SamplingParams
+
+        if request.aborted.is_set():
+            self._refuse(request, push, "abort", Chunk("", "abort", len(request.ids)))
+            return
+        p, s = request.params, self.settings
+        try:
+            start = self.prefix_cache.start(request.ids, self._model, self._drafter,
+                                            s.dflash_draft_window or None)
+            penalties = _penalties(p)
+            uid = gen.insert(
+                request.ids, max_tokens=self._max_tokens(p), params=SamplingParams(**self._sampling(p)),
+                logits_processors=make_logits_processors(**penalties) if penalties else None,
+                stop_tokens=self.tokenizer.eos_token_ids, seed=p.get("seed"),
+                prompt_cache=start.cache if start.tokens else None, draft_context=start.context,
+                cached_tokens=start.tokens)
+        except Exception as e:
+            self._refuse(request, push, "error", e)
+            return
+        self._stats.move(active=1)
+        joined[uid] = _Joined(request, push, start, _Reply(self.tokenizer, p, request.tools),
+                              self.tokenizer.detokenizer, s.engine(len(request.ids)))
+
+    def _refuse(self, request: _Request, push, finish: str, item):
+        """A request that ends before it is in the batch: ``item`` is its last message."""
+        self._stats.add(prompt_tokens=len(request.ids), finish_reason=finish)
+        push(item)
+        push(_DONE)
+        request.done.set_result(None)
+
+    def _batch_cycle(self, gen, joined: Dict[int, "_Joined"]):
+        """One ``gen.next()``: each response through its request's text pipeline, as
+        ``_steps`` does for one stream; finished requests leave."""
+        ended = []
+        self._stats.batch_step(len(joined))
+        for r in gen.next():
+            j = joined[r.uid]
+            j.tokens.append(r.token)
+            j.last = r
+            if j.finish:  # tokens of a cycle past a stop string: in the cache, not the reply
+                continue
+            now = time.perf_counter()
+            j.first = j.first or now
+            j.n += 1
+            if r.finish_reason != "stop":  # a stop token is not part of the text
+                j.detokenizer.add_token(r.token)
+            if r.finish_reason:
+                j.detokenizer.finalize()
+            content, calls, j.finish = j.reply.add(j.detokenizer.last_segment, r.finish_reason)
+            if content or calls or j.finish:
+                st = r.stats
+                j.push(Chunk(content, j.finish, len(j.request.ids), j.n, calls, st.tau, st.cycles,
+                             j.n / max(now - j.first, 1e-9), dict(sorted(st.block_sizes.items())),
+                             st.fallback, j.start.reused, j.engine))
+            if j.finish:
+                ended.append(r.uid)
+        for uid in ended:
+            self._leave(gen, joined, uid)
+
+    def _leave(self, gen, joined: Dict[int, "_Joined"], uid: int):
+        """A request is done: its caches go to the prefix cache, it leaves the batch."""
+        j = joined.pop(uid)
+        try:
+            if j.last is None:  # no token yet: nothing to keep
+                pass
+            elif j.last.finish_reason:  # the batch ended it: it has left, its caches with it
+                self._store(j, j.last.cache, j.last.context)
+            else:
+                self._store(j, *gen.extract_cache(uid))
+        except Exception:  # a cache that cannot keep this request must not fail it
+            log.exception("prefix cache: could not store the request's caches")
+        gen.remove(uid)
+        self._done(j)
+
+    def _store(self, j: "_Joined", cache, context):
+        """Keep a batch sequence's caches (every token it committed, in order) for reuse."""
+        from mlx_lm.models.cache import KVCache
+
+        from .prefix_cache import Start, _recurrent
+
+        n = next((c.offset for c in cache if isinstance(c, KVCache)), 0)
+        start = Start(cache, context, tokens=n)
+        if not all(c.is_trimmable() for c in cache):
+            # Recurrent states: the batch replays them to exactly the committed tokens, which
+            # are all known unless a stop token cut the cycle (``store`` checks the count).
+            start.held = (n, _recurrent(cache))
+        self.prefix_cache.store(j.request.ids + j.tokens, start)
+
+    def _done(self, j: "_Joined"):
+        """The request's stats, its last message, and its place freed."""
+        self._stats.move(active=-1)
+        n_prompt, st = len(j.request.ids), j.last.stats if j.last is not None else None
+        if st is not None:
+            end = time.perf_counter()
+            self._stats.add(prompt_tokens=n_prompt, generation_tokens=j.n,
+                            prompt_seconds=j.first - j.joined, generation_seconds=end - j.first,
+                            cycles=st.cycles, tau=st.tau, position_accepted=st.position_accepted,
+                            block_sizes=st.block_sizes, fallback=st.fallback,
+                            finish_reason=j.finish)
+        else:
+            self._stats.add(prompt_tokens=n_prompt, finish_reason=j.finish or "abort")
+        j.push(_DONE)
+        j.request.done.set_result(None)
+
     # On the worker thread -------------------------------------------------------------
     def _steps(self, request: _Request, push):
         """Generate one request, a token per step; push Chunks, then _DONE."""
@@ -395,15 +694,9 @@ class Engine:
         mode = s.verify_mode(n_prompt)
         engine = s.engine(n_prompt)
         drafting = mode != "off" and self._drafter is not None
-        penalties = {k: p.get(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-                     if p.get(k)}
-        if p.get("logit_bias"):
-            penalties["logit_bias"] = {int(k): float(v) for k, v in p["logit_bias"].items()}
-        stop = p.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        matcher, tools = StopMatcher(stop), ToolCallSplitter(self.tokenizer, request.tools)
-        temp = _first(p.get("temperature"), s.temperature, 0.0)
-        last, finish, n, made_calls = None, None, 0, False
+        penalties = _penalties(p)
+        reply = _Reply(self.tokenizer, p, request.tools)
+        last, finish, n = None, None, 0
         gen = start = None
         emitted = []
         try:
@@ -413,9 +706,7 @@ class Engine:
                                             s.dflash_draft_window or None, reuse=reuse)
             gen = stream_generate(
                 self._model, self.tokenizer, request.ids, self._drafter,
-                max_tokens=_first(p.get("max_tokens"), s.max_tokens, self.default_max_tokens),
-                temp=temp, top_p=_first(p.get("top_p"), s.top_p, 1.0),
-                top_k=_first(p.get("top_k"), s.top_k, 0), min_p=_first(p.get("min_p"), s.min_p, 0.0),
+                max_tokens=self._max_tokens(p), **self._sampling(p),
                 logits_processors=make_logits_processors(**penalties) if penalties else None,
                 block_size=s.dflash_block_size, verify_mode=mode, seed=p.get("seed"),
                 draft_window=s.dflash_draft_window or None, prompt_cache=start.cache,
@@ -424,23 +715,7 @@ class Engine:
                 n = last.generation_tokens
                 emitted.append(last.token)
                 self.prefix_cache.note(start, len(request.ids) + n)
-                segment = last.text
-                if last.finish_reason == "length":  # a character cut by max_tokens is left out
-                    segment = segment.rstrip("\ufffd")
-                text, hit = matcher.add(segment)
-                if hit:
-                    finish = "stop"
-                elif last.finish_reason:
-                    finish = last.finish_reason
-                    text += matcher.flush()
-                content, raw_calls = tools.add(text)
-                if finish:
-                    tail, more = tools.flush()
-                    content, raw_calls = content + tail, raw_calls + more
-                calls = tools.format(raw_calls)
-                made_calls |= bool(calls)
-                if finish == "stop" and made_calls:
-                    finish = "tool_calls"
+                content, calls, finish = reply.add(last.text, last.finish_reason)
                 if content or calls or finish:
                     push(Chunk(content, finish, n_prompt, n, calls, last.tau, last.cycles,
                                last.generation_tps, last.block_sizes, last.fallback,
@@ -475,6 +750,47 @@ class Engine:
             else:
                 self._stats.add(prompt_tokens=n_prompt, finish_reason=finish or "abort")
             push(_DONE)
+
+
+def _penalties(p: dict) -> dict:
+    """The request's penalties and logit bias as ``make_logits_processors`` options."""
+    out = {k: p.get(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty") if p.get(k)}
+    if p.get("logit_bias"):
+        out["logit_bias"] = {int(k): float(v) for k, v in p["logit_bias"].items()}
+    return out
+
+
+def _batchable(model, drafter) -> bool:
+    """Whether ``BatchGenerator`` takes this target (not one with sliding-window caches)."""
+    from ..batch import batch_layers
+    from ..target import UnsupportedTargetError, attach
+
+    try:
+        batch_layers(attach(model, drafter))
+        return True
+    except UnsupportedTargetError as e:
+        log.info("requests run one at a time, each its own stream: %s", e)
+        return False
+
+
+def _own_random(steps):
+    """A stepped job with its own random key: jobs that take turns on the worker do not
+    draw from each other's streams (a seeded request keeps its text)."""
+    from ..batch import _fresh_key, _swap_key
+
+    def job(*args):
+        gen, key = steps(*args), _fresh_key()
+        while True:
+            outer = _swap_key(key)
+            try:
+                next(gen)
+            except StopIteration:
+                return
+            finally:
+                key = _swap_key(outer)
+            yield
+
+    return job
 
 
 def _call_soon(loop, fn, *args):

@@ -44,7 +44,8 @@ class EnginePool:
     def __init__(self, store: Optional[SettingsStore] = None, *, model_dir=None,
                  models: Optional[Dict[str, str]] = None, overrides: Optional[Dict[str, dict]] = None,
                  max_models: int = 1, memory_budget_gb: Optional[float] = None,
-                 max_queue: int = 8, default_max_tokens: int = 512, prefix_cache_gb: float = 1.0):
+                 max_queue: int = 8, default_max_tokens: int = 512, prefix_cache_gb: float = 1.0,
+                 max_batch: int = 8):
         self.store = store or SettingsStore()
         self.model_dir = Path(model_dir).expanduser() if model_dir else None
         self.models = dict(models or {})
@@ -54,6 +55,7 @@ class EnginePool:
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
         self.prefix_cache_gb = prefix_cache_gb
+        self.max_batch = max_batch
         self.problem: Optional[str] = None  # why the settings file is not being followed
         self._last_good: Dict[str, dict] = {}
         self.engines: "collections.OrderedDict[str, Engine]" = collections.OrderedDict()
@@ -120,7 +122,7 @@ class EnginePool:
             await self._make_room(path, settings)
             engine = Engine(path, settings, model_id=model_id, max_queue=self.max_queue,
                             default_max_tokens=self.default_max_tokens,
-                            prefix_cache_gb=self.prefix_cache_gb)
+                            prefix_cache_gb=self.prefix_cache_gb, max_batch=self.max_batch)
             await engine.start()
             self.engines[model_id] = engine
             return engine

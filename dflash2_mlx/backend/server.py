@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an engine pool.
 
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming or
-one JSON body), ``GET /health``, ``GET /metrics`` (engine stats). Each model serves one request
-at a time; a full queue answers 503 at once. Errors use OpenAI's body
+one JSON body), ``GET /health``, ``GET /metrics`` (engine stats). Each model runs up to
+``max_batch`` requests at once (DFlash ones batched, see ``engine.py``); a full queue answers
+503 at once. Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects stops its
 generation. Request bodies are JSON: a body sent with another Content-Type (text/plain, a
 form) gets 415; no Content-Type at all is read as JSON. With an API key (``api_key``) every

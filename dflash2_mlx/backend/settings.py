@@ -75,6 +75,7 @@ FIELDS = {
     "min_p": (lambda v: _num(v, lo=0, hi=1), "a number in [0, 1]"),
     "is_pinned": (_bool, "true or false"),
     "prefix_cache_gb": (lambda v: _num(v, lo=0), "a number >= 0 (GB; 0 turns the prefix cache off)"),
+    "max_batch": (lambda v: _int(v, lo=1), "an integer >= 1 (requests run at once; 1: one at a time)"),
 }
 
 
@@ -112,6 +113,7 @@ class ModelSettings:
     min_p: Optional[float] = None
     is_pinned: bool = False
     prefix_cache_gb: Optional[float] = None  # the server's --prefix-cache-gb when unset
+    max_batch: Optional[int] = None  # the server's --max-batch when unset
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod

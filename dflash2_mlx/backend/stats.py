@@ -29,6 +29,9 @@ class EngineStats:
         self.last_tau = 0.0
         self.active = 0
         self.queued = 0
+        self.batch_steps = 0  # steps of the batch job (one cycle for all its sequences)
+        self.batch_sequences = 0  # sum over those steps of the sequences in the batch
+        self.batch_peak = 0
 
     def add(self, *, prompt_tokens=0, generation_tokens=0, prompt_seconds=0.0,
             generation_seconds=0.0, cycles=0, tau=0.0, position_accepted=(),
@@ -55,6 +58,12 @@ class EngineStats:
                 self.last_generation_tps = generation_tokens / max(generation_seconds, 1e-9)
             if cycles:
                 self.last_tau = tau
+
+    def batch_step(self, sequences: int):
+        with self._lock:
+            self.batch_steps += 1
+            self.batch_sequences += sequences
+            self.batch_peak = max(self.batch_peak, sequences)
 
     def move(self, queued=0, active=0, rejected=0):
         with self._lock:
@@ -86,5 +95,8 @@ class EngineStats:
                 "prompt_tps": self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0,
                 "last_generation_tps": self.last_generation_tps,
                 "last_tau": self.last_tau,
+                "batch_steps": self.batch_steps,
+                "mean_batch_size": self.batch_sequences / self.batch_steps if self.batch_steps else 0.0,
+                "peak_batch_size": self.batch_peak,
                 "uptime_s": time.time() - self.started,
             }
