@@ -190,7 +190,8 @@ def machine_identity() -> dict:
             "system": platform.system(), "cpus": os.cpu_count(),
             "mlx": getattr(mlx, "__version__", None) or mx.__version__,
             "device": str(mx.default_device()),
-            "blas": os.path.basename(os.environ.get("LD_PRELOAD", ""))}
+            "blas": os.path.basename(os.environ.get("LD_PRELOAD", "")),
+            "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")}
     if mx.metal.is_available():
         info["gpu"] = mx.metal.device_info().get("device_name", "")
     return info
