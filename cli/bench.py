@@ -7,7 +7,7 @@ from typing import List, Optional
 import typer
 
 bench_app = typer.Typer(
-    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts) and `bench kernels`.",
+    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts), `bench serve` (the server under concurrent clients) and `bench kernels`.",
     invoke_without_command=True, add_completion=False,
 )
 
@@ -86,6 +86,43 @@ def bench(
         typer.echo(f"!!! {len(report['mismatches'])} T=0 output(s) differ from plain decoding "
                    f"(see {out / 'bench.md'})", err=True)
         raise typer.Exit(1)
+
+
+@bench_app.command("serve")
+def serve(
+    streams: List[int] = typer.Option([1, 2, 4, 8], "--streams", "-s", help="Concurrent streaming clients per row; repeat."),
+    requests: int = typer.Option(4, "--requests", "-n", help="Requests each client sends, one after another."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="max_tokens of every request."),
+    max_batch: int = typer.Option(8, "--max-batch", help="The batched server's --max-batch."),
+    baseline_streams: List[int] = typer.Option([], "--baseline-streams", help="Stream counts also run on the one-at-a-time server (--max-batch 1); repeat. Default: the smallest and the largest of --streams."),
+    temp: float = typer.Option(0.0, "--temp", help="Temperature of every request (at 0 the two servers' replies are compared)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="A fixed block size for both servers (default: auto)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target directory or hub id (with --draft). Default: the built-in SmolLM2-135M-Instruct and its shipped DFlash 2 drafter."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="The drafter for --model."),
+    bench_files: List[Path] = typer.Option([], "--bench", "-b", help="Prompt jsonl; repeat. Default: the five shipped prompt sets."),
+    out: Path = typer.Option(Path("bench-serve-out"), "--out", "-o", help="Report directory: bench-serve.json, bench-serve.md (and the servers' logs)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompt sample."),
+):
+    """The server under 1, 2, 4, 8 concurrent streaming clients: continuous batching against
+    one request at a time, side by side (aggregate and per-stream tok/s, τ, p50/p95 latency)."""
+    from dflash2_mlx.bench_serve import markdown, run_serve_bench, write_report
+
+    if model is not None and draft is None:
+        raise typer.BadParameter("--model needs --draft (the drafter both servers use)")
+    if min(streams) < 1 or requests < 1 or max_tokens < 1 or max_batch < 2:
+        raise typer.BadParameter("--streams, --requests and --max-tokens must be >= 1, --max-batch >= 2")
+    try:
+        report = run_serve_bench(model=model, draft=draft, streams=streams, requests=requests,
+                                 max_tokens=max_tokens, max_batch=max_batch,
+                                 baseline_streams=baseline_streams or None, temp=temp,
+                                 bench_files=bench_files, seed=seed, block_size=block_size,
+                                 work_dir=out, log=lambda s: typer.echo(s, err=True))
+    except (ValueError, RuntimeError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    paths = write_report(report, out)
+    typer.echo(markdown(report))
+    typer.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
 
 
 @bench_app.command("kernels")

@@ -279,3 +279,50 @@ def test_emoji_cut_by_max_tokens_in_a_batch(tmp_path):
         assert stats["batching"] and stats["peak_batch_size"] >= 2
     finally:
         stop_server(proc)
+
+
+def test_bench_serve_rows_and_ratios():
+    """The `bench serve` table from request records: aggregate over the row's wall time,
+    per-stream speed after the first token, τ weighted by cycles, latency percentiles."""
+    from dflash2_mlx.bench_serve import BASELINE, BATCHED, markdown, percentile, ratios, summarize
+
+    assert percentile([4, 1, 3, 2], 50) == 2.5 and percentile([1, 2, 3, 4, 5], 95) == pytest.approx(4.8)
+    recs = [dict(sent=0.0, first=0.5, end=2.5, tokens=21, tau=2.0, cycles=10),
+            dict(sent=1.0, first=1.5, end=4.0, tokens=11, tau=1.0, cycles=10)]
+    row = summarize(recs, BATCHED, 2, {"mean_batch_size": 1.5})
+    assert row["aggregate_tps"] == 32 / 4.0 and row["per_stream_tps"] == pytest.approx((10 + 4) / 2)
+    assert row["tau"] == 1.5 and row["latency_p50"] == 2.75 and row["ttft_p50"] == 0.5
+    base = summarize([dict(r, end=r["end"] * 2) for r in recs], BASELINE, 2)
+    (q,) = ratios([row, base])
+    assert q["streams"] == 2 and q["aggregate_tps"] == pytest.approx(2.0)
+    assert q["latency_p95"] == pytest.approx(row["latency_p95"] / base["latency_p95"])
+    report = {"config": dict(model="m", draft="d", requests=1, max_tokens=8, temp=0.0, block_size="auto",
+                             max_batch=8),
+              "machine": dict(platform="p", cpus=2, mlx="0", metal=False), "rows": [row, base],
+              "ratios": [q], "parity_checked": 2, "mismatches": []}
+    text = markdown(report)
+    assert "| batched | 2 | 2 | 8.0 |" in text and "| one at a time | 2 |" in text
+    assert "aggregate tok/s x2.00" in text and "2 of 2 prompts" in text
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_both_servers(tmp_path):
+    """`dflash2-mlx bench serve` end to end on the tiny pair: both servers, every row, the
+    report files, and at T=0 the same replies from both."""
+    import subprocess
+
+    from test_server import serve_command
+
+    on_worker(make_target, tmp_path / "target")
+    on_worker(make_drafter, tmp_path / "drafter", tmp_path / "target")
+    out = tmp_path / "out"
+    args = ["bench", "serve", "-m", tmp_path / "target", "-d", tmp_path / "drafter", "-s", 1, "-s", 3,
+            "-n", 2, "--max-tokens", 6, "-o", out]
+    r = subprocess.run(serve_command() + [str(a) for a in args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "bench-serve.json").read_text())
+    assert [(row["server"], row["streams"]) for row in report["rows"]] == [
+        ("batched", 1), ("one at a time", 1), ("batched", 3), ("one at a time", 3)]
+    assert all(row["requests"] == 2 * row["streams"] and row["tokens"] > 0 for row in report["rows"])
+    assert report["parity_checked"] == 6 and report["mismatches"] == []
+    assert "| batched | 3 | 6 |" in (out / "bench-serve.md").read_text() and "| batched | 3 | 6 |" in r.stdout

@@ -241,9 +241,7 @@ class Engine:
         self.max_batch = max_batch
         self._turns = _Turns(max_queue, self._max_batch())
         self._batchable = False  # the target's caches can be batched (set at load)
-        self._batch = None  # the BatchGenerator (worker thread), made on first use
-        self._batch_key = None  # the settings it was made with
-        self._batch_job = None  # the job stepping it, while it has requests
+        self._batch_job = None  # the job stepping the batch, while it has requests
         self._joins = []  # (request, push) waiting to join the batch, under _batch_lock
         self._batch_lock = threading.Lock()
         self._requests = {}
@@ -283,16 +281,18 @@ class Engine:
         """Abort every request, wait for the worker to let go, and free the models."""
         self._stopping = True
         self.abort()
-        while self._jobs:
-            await asyncio.wait([asyncio.wrap_future(j) for j in list(self._jobs)])
+        while True:  # a finished job may still be listed: its loop closed before it ended
+            pending = [j for j in self._jobs if not j.done()]
+            if not pending:
+                break
+            await asyncio.wait([asyncio.wrap_future(j) for j in pending])
+        self._jobs.clear()
         await asyncio.wrap_future(self._worker.submit(self._free))
 
     def _free(self):
         import mlx.core as mx
 
-        if self._batch is not None:
-            self._batch.close()
-        self._model = self._drafter = self._batch = None
+        self._model = self._drafter = None
         self.prefix_cache.clear()
         gc.collect()
         mx.clear_cache()
@@ -511,24 +511,28 @@ class Engine:
             self._joins.append((request, push))
             if self._batch_job is None:
                 self._batch_job = self._worker.submit(self._batch_steps)
-                loop = asyncio.get_running_loop()
+                self._jobs = {j for j in self._jobs if not j.done()}
                 self._jobs.add(self._batch_job)
-                self._batch_job.add_done_callback(
-                    lambda f: _call_soon(loop, self._jobs.discard, f))
         return request.done
 
     def _batch_steps(self):
         """The batch job (worker thread): each step, the requests whose turn came join,
-        aborted ones leave, then one cycle for all; it ends when no request is left."""
+        aborted ones leave, then one cycle for all; it ends when no request is left.  Its
+        BatchGenerator lives as long as the job, as a single stream's state lives as long
+        as its request: made with the settings of the moment, its adaptive block sizes
+        seeded from the pair's history and folded back into it at the end."""
         joined: Dict[int, _Joined] = {}  # uid -> request
+        gen = None
         while True:
             with self._batch_lock:
                 joins, self._joins = collections.deque(self._joins), []
                 if not joins and not joined:
                     self._batch_job = None
+                    if gen is not None:
+                        gen.close()
                     return
             try:
-                gen = self._batch_generator()
+                gen = gen or self._batch_generator()
                 while joins:
                     self._join(gen, joined, *joins[0])
                     joins.popleft()
@@ -548,25 +552,15 @@ class Engine:
                     self._done(joined.pop(uid))
                 for request, push in joins:  # not in the batch yet
                     self._refuse(request, push, "error", e)
-                self._batch = None
+                gen = None
             yield
 
     def _batch_generator(self):
-        """The engine's BatchGenerator, (re)made when the settings it follows changed."""
         from ..batch import BatchGenerator
 
-        s = self.settings
-        key = (s.verify_mode(0), s.dflash_block_size, s.dflash_draft_window)
-        if self._batch is None or self._batch_key != key:
-            if self._batch is not None:
-                if len(self._batch):
-                    return self._batch  # still running: the new settings wait for it to empty
-                self._batch.close()
-            self._batch = BatchGenerator(self._model, self._drafter, block_size=self._block_policy(),
-                                         draft_window=s.dflash_draft_window or None,
-                                         return_caches=True)
-            self._batch_key = key
-        return self._batch
+        return BatchGenerator(self._model, self._drafter, block_size=self._block_policy(),
+                              draft_window=self.settings.dflash_draft_window or None,
+                              return_caches=True)
 
     def _join(self, gen, joined: Dict[int, "_Joined"], request: _Request, push):
         """Put a request into the batch: its prefix-cache start, sampling and stops."""
