@@ -207,8 +207,9 @@ def run_serve_bench(*, model: Optional[str] = None, draft: Optional[str] = None,
         f"tokens, max_batch {max_batch}, baseline at {list(baseline_streams)} stream(s)")
     with server(common + ["--max-batch", str(max_batch)], work / "server-batched.log") as batched, \
             server(common + ["--max-batch", "1"], work / "server-one.log") as one:
-        for base in (batched, one):  # compile, allocate and calibrate before timing
-            asyncio.run(_load(base, model_id, [pool[:1]], min(8, max_tokens), temp))
+        for base in (batched, one):  # compile, allocate, calibrate (and fill a batch) untimed
+            warm = [[p] for p in pool[: max(streams)]]
+            asyncio.run(_load(base, model_id, warm, min(8, max_tokens), temp))
         for s in streams:
             loads = [(BATCHED, batched)] + ([(BASELINE, one)] if s in baseline_streams else [])
             for name, base in loads:
