@@ -322,3 +322,26 @@ def _bias(bias):
     from mlx_lm.sample_utils import make_logits_processors
 
     return make_logits_processors(logit_bias=bias) if bias else None
+
+
+def test_plain_requests_run_side_by_side_each_with_its_own_random_stream(models, reference):
+    """Without a drafter requests take turns on the worker a token at a time; each draws
+    from its own key, so a seeded sampled reply is still generate()'s with that seed."""
+    _, target, _ = models
+    e = Engine(target, model_id="plain", max_batch=3)
+    run(e.start())
+    asks = [dict(temperature=1.0, seed=5), dict(temperature=0.9, seed=6), dict(temperature=1.0)]
+
+    async def scenario():
+        return await asyncio.gather(*(e.generate("hello world", max_tokens=30, logit_bias=NO_EOS, **kw)
+                                      for kw in asks))
+
+    try:
+        done = run(scenario())
+    finally:
+        run(e.stop())
+    for kw, got in zip(asks[:2], done):
+        want = reference("hello world", max_tokens=30, verify_mode="off", temp=kw["temperature"],
+                         seed=kw["seed"], logits_processors=_bias(NO_EOS))
+        assert got.text == want and got.cycles == 0
+    assert done[0].text != done[1].text
