@@ -345,3 +345,30 @@ def test_plain_requests_run_side_by_side_each_with_its_own_random_stream(models,
                          seed=kw["seed"], logits_processors=_bias(NO_EOS))
         assert got.text == want and got.cycles == 0
     assert done[0].text != done[1].text
+
+
+def test_target_the_batch_refuses_serves_each_request_as_its_own_stream(tmp_path):
+    """A sliding-window target (which BatchGenerator refuses) still serves concurrent
+    DFlash requests, each as its own stream: generate()'s text, batching off in /metrics."""
+    on_worker(make_target, tmp_path / "t", "llama", alphabet="abcd", seed=3)
+    config = json.loads((tmp_path / "t" / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8)
+    (tmp_path / "t" / "config.json").write_text(json.dumps(config))
+    on_worker(make_drafter, tmp_path / "d", tmp_path / "t")
+    reference = worker_reference(tmp_path / "t", tmp_path / "d")
+    e = Engine(tmp_path / "t", ModelSettings(dflash_enabled=True, dflash_draft_model=str(tmp_path / "d")),
+               max_batch=4)
+    run(e.start())
+    prompts = ["abcab dcba", "dd cb", "cab"]
+
+    async def scenario():
+        return await asyncio.gather(*(e.generate(p, max_tokens=20) for p in prompts))
+
+    try:
+        done = run(scenario())
+        stats = e.get_stats()
+    finally:
+        run(e.stop())
+    assert not stats["batching"] and stats["batch_steps"] == 0
+    for p, got in zip(prompts, done):
+        assert got.text == reference(p, max_tokens=20) and got.engine["dflash"]
