@@ -102,14 +102,18 @@ def quantize(drafter: Drafter, bits: int, group_size: int):
     )
 
 
+def dequantized_weight(m: nn.QuantizedLinear) -> mx.array:
+    return mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
+                         mode=m.mode, dtype=mx.float32)
+
+
 def dequantize(drafter: Drafter):
     """Quantized Linear layers back to fp32: on a CPU an fp32 matmul is several times
     faster than a quantized one (quantized weights are for Metal's memory bandwidth)."""
     swaps = []
     for name, m in drafter.named_modules():
         if isinstance(m, nn.QuantizedLinear):
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
-                              mode=m.mode, dtype=mx.float32)
+            w = dequantized_weight(m)
             linear = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
             linear.weight = w
             if "bias" in m:

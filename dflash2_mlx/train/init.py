@@ -144,10 +144,9 @@ def _weight(module) -> mx.array:
     """A Linear's or norm's weight; a quantized Linear's dequantized."""
     import mlx.nn as nn
 
-    if isinstance(module, nn.QuantizedLinear):
-        return mx.dequantize(module.weight, module.scales, module.biases, module.group_size,
-                             module.bits)
-    return module.weight
+    from ..loading import dequantized_weight
+
+    return dequantized_weight(module) if isinstance(module, nn.QuantizedLinear) else module.weight
 
 
 def warm_start_from_target(drafter: Drafter, target_model, layer_ids: Sequence[int]) -> Drafter:
