@@ -63,8 +63,11 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _recurrent(cache) -> list:
     """The recurrent states of ``cache`` (None for attention layers). The models replace
-    these arrays at each step rather than write into them, so references are a snapshot."""
-    return [None if isinstance(c, KVCache) else (list(c.cache), c.lengths) for c in cache]
+    these arrays at each step rather than write into them, so references are a snapshot:
+    the one a speculative rollback takes (caches here are only KVCache / ArraysCache)."""
+    from ..target import snapshot
+
+    return snapshot(cache)
 
 
 def _held(cache) -> Optional[int]:
