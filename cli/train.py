@@ -44,6 +44,8 @@ def train(
     keep: int = typer.Option(2, "--keep", help="Periodic checkpoints kept."),
     log_every: int = typer.Option(10, "--log-every"),
     feature_cache_gb: float = typer.Option(0.0, "--feature-cache-gb", help="Keep target features in a disk cache under --out/features, at most this many GB (0: compute on the fly every step). Pays off for several epochs over a small dataset."),
+    val_records: int = typer.Option(0, "--val-records", help="Hold out the dataset's last N records and report val_* metrics on them (0: no held-out set)."),
+    val_every: int = typer.Option(50, "--val-every", help="Steps between held-out evaluations."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from the latest checkpoint under --out."),
 ):
     """Train a DFlash / DFlash 2 drafter for a target (data regeneration, training, checkpoints)."""
@@ -70,7 +72,8 @@ def train(
                       batch_size=batch_size, grad_accum=grad_accum, max_anchors=max_anchors,
                       max_len=max_len, selector_weight=selector_weight, seed=seed,
                       save_every=save_every, keep=keep, log_every=log_every,
-                      feature_cache_gb=feature_cache_gb)
+                      feature_cache_gb=feature_cache_gb, val_records=val_records,
+                      val_every=val_every)
     try:
         final = train_drafter(
             model, out, data, prompts=prompts, init=init, version=version, num_layers=layers,

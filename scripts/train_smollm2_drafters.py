@@ -131,7 +131,8 @@ def train(args):
                       max_anchors=args.max_anchors, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, keep=1, log_every=1,
                       min_block_size=args.min_block_size, distill=args.distill,
-                      stop_after=args.stop_after)
+                      stop_after=args.stop_after, val_records=args.val_records,
+                      val_every=args.val_every)
     target, model, tokenizer = _target()
     init = args.init or initial_drafter(model, tokenizer, args.version, args.seed,
                                         Path(f"{args.out}-init"), args.data, args.draft_vocab,
@@ -269,6 +270,9 @@ def main():
     t.add_argument("features")
     t.add_argument("out")
     t.add_argument("--version", type=int, required=True)
+    t.add_argument("--val-records", type=int, default=0,
+                   help="Hold out the data's last N records: val_* metrics every --val-every steps")
+    t.add_argument("--val-every", type=int, default=50)
     t.add_argument("--more-features", action="append", default=[],
                    help="Another feature file (features of records added to DATA later)")
     t.add_argument("--steps", type=int, default=90)

@@ -159,6 +159,28 @@ def test_stop_after_ends_a_longer_schedule_early(tiny, tmp_path):
         assert np.array_equal(np.array(a[k]), np.array(v)), k
 
 
+def test_held_out_records_are_evaluated_and_never_trained_on(tiny, tmp_path):
+    """val_records: the last records only measure (val_* every val_every steps); the run
+    equals one on the other records alone, so validation changes nothing it trains."""
+    root, model, tok, records = tiny
+    cfg = small_config(model, tok)
+    a = _train(model, init.new_drafter(cfg, seed=0), records, tmp_path / "a", steps=4,
+               val_records=2, val_every=3)
+    b = _train(model, init.new_drafter(cfg, seed=0), records[:-2], tmp_path / "b", steps=4)
+    for (k, va), (_, vb) in zip(tree_flatten(a.parameters()), tree_flatten(b.parameters())):
+        assert np.array_equal(np.array(va), np.array(vb)), k
+    hist = json.loads((tmp_path / "a/final/training_state/state.json").read_text())["state"]["history"]
+    assert [h["step"] for h in hist if "val_ce" in h] == [3, 4]
+    target = attach(model, a)
+    held_out = trainer.DataStream(records[-2:], trainer.TrainConfig(), trainer.TrainState()).seqs
+    again = trainer.validate(target, a, held_out, trainer.TrainConfig(batch_size=2, max_anchors=12))
+    assert again["val_ce"] == pytest.approx(hist[-1]["val_ce"], rel=1e-5)
+    assert 0.0 <= again["val_top1_pos1"] <= 1.0
+    with pytest.raises(ValueError, match="nothing to train on"):
+        _train(model, init.new_drafter(cfg, seed=0), records, tmp_path / "c", steps=1,
+               val_records=len(records))
+
+
 def test_new_drafter_is_sized_from_the_target(tiny, tmp_path):
     root, model, tok, _ = tiny
     cfg = init.new_drafter_config(model, version=2, num_layers=3, block_size=10,

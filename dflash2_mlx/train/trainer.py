@@ -53,6 +53,8 @@ class TrainConfig:
     log_every: int = 1
     feature_cache_gb: float = 0.0  # 0: features on the fly; else a disk cache under OUT/features
     stop_after: int = 0  # > 0: end (final checkpoint) after this many steps of a schedule over ``steps``
+    val_records: int = 0  # > 0: the dataset's last N records are held out, never trained on
+    val_every: int = 50  # steps between held-out evaluations (logged as val_* in the history)
 
 
 def schedule(cfg: TrainConfig):
@@ -118,6 +120,25 @@ def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig, c
 
         blocks.teacher = objective.teacher_logits(drafter, text_model(target.model).model.norm, blocks)
     return blocks
+
+
+def validate(target: Target, drafter: Drafter, seqs, cfg: TrainConfig) -> dict:
+    """Mean metrics over held-out sequences, with the same anchors every time (a fixed
+    seed), so the numbers are comparable across steps and show overfitting as it happens."""
+    rng = np.random.default_rng([cfg.seed, 7])
+    sums, n = {}, 0
+    drafter.eval()
+    for i in range(0, len(seqs), cfg.batch_size):
+        blocks = micro_batch(target, drafter, seqs[i : i + cfg.batch_size], rng, cfg)
+        if blocks.anchors.size == 0:
+            continue
+        _, metrics = objective.loss(drafter, blocks, cfg.selector_weight, cfg.distill)
+        mx.eval(metrics)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v.item()
+        n += 1
+    drafter.train()
+    return {f"val_{k}": v / n for k, v in sums.items()} if n else {}
 
 
 def save_checkpoint(drafter: Drafter, optimizer, state: TrainState, cfg: TrainConfig, path):
@@ -190,6 +211,13 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
         state = TrainState()
         rng = np.random.default_rng(cfg.seed)
     target = attach(target_model, drafter)
+    held_out = []
+    if cfg.val_records > 0:
+        if cfg.val_records >= len(records):
+            raise ValueError(f"val_records={cfg.val_records} leaves nothing to train on "
+                             f"({len(records)} records)")
+        held_out = DataStream(records[-cfg.val_records:], cfg, TrainState()).seqs
+        records = records[: -cfg.val_records]
     data = DataStream(records, cfg, state)
     cache = None
     if cfg.feature_cache_gb > 0:
@@ -223,6 +251,8 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
         state.rng = rng.bit_generator.state
         entry = {"step": state.step, **{k: v / n for k, v in sums.items()},
                  "grad_norm": norm.item(), "lr": lr, "sec": time.perf_counter() - tic}
+        if held_out and (state.step % cfg.val_every == 0 or state.step == end):
+            entry.update(validate(target, drafter, held_out, cfg))
         state.history.append(entry)
         if log and (state.step % cfg.log_every == 0 or state.step == cfg.steps):
             log(entry)
