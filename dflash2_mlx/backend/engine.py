@@ -12,7 +12,10 @@ its first tokens.
 Continuous batching: DFlash requests that run at the same time share one ``BatchGenerator``
 (``batch.py``), stepped by one worker job: each step lets the requests that got their turn
 join, drops aborted ones, and runs one batched draft -> verify cycle for all; every sequence
-keeps its own acceptance, so each stays lossless (greedy: its single-stream text). Requests
+keeps its own acceptance, so each stays lossless (greedy: its single-stream text). A request
+that finds nothing running starts as a single stream (a lone request runs at single-stream
+speed, which the batch's bookkeeping does not reach); when another one asks to join, it hands
+its caches over through the prefix cache and goes on in the batch from where it was. Requests
 the batch cannot serve run as their own stepped job next to it, one token a step, each with
 its own random key: plain decoding (no drafter, ``dflash_max_ctx``), targets the batch
 refuses (sliding windows), ``max_batch`` 1 (the one-at-a-time server), and seeded sampled
@@ -164,6 +167,7 @@ class _Request:
         self.queued = False
         self.chunks: Optional[asyncio.Queue] = None
         self.done: Optional[Future] = None  # in the batch: set when the batch is done with it
+        self.push = None  # its chunks' way out (set on the worker)
 
 
 class _Reply:
@@ -210,6 +214,40 @@ class _Joined:
         self.finish: Optional[str] = None
         self.joined = time.perf_counter()
         self.first: Optional[float] = None  # when its first token came
+        self.ids = request.ids  # the ids it joined with (the prompt, and a carry's tokens)
+        self.before = None  # the last response of its single stream, if it was handed over
+
+    def carry(self, c: "_Carry"):
+        """Go on from a single stream: its count, times, text state and draft statistics."""
+        self.n, self.joined, self.first, self.reply, self.before = c.n, c.began, c.first, c.reply, c.last
+        for t in c.tokens:  # the text already sent: the detokenizer resumes after it
+            self.detokenizer.add_token(t)
+        self.detokenizer.last_segment
+
+    def stats(self, st):
+        """Its draft statistics over both parts (``st``: the batch's for it)."""
+        from ..speculative import CycleStats
+
+        b = self.before
+        if b is None or not b.cycles:
+            return st
+        out = CycleStats(max(len(b.acceptance_counts), len(st.position_accepted)) + 1)
+        out.cycles = b.cycles + st.cycles
+        out.total_accepted = round((b.tau - 1) * b.cycles) + st.total_accepted
+        out.block_sizes = collections.Counter(b.block_sizes) + collections.Counter(st.block_sizes)
+        for part in (b.acceptance_counts, st.position_accepted):
+            for i, v in enumerate(part):
+                out.position_accepted[i] += v
+        out.fallback = st.fallback if st.cycles else b.fallback
+        return out
+
+
+class _Carry:
+    """A solo request's state as it hands over to the batch."""
+
+    def __init__(self, tokens: List[int], n: int, reply: _Reply, began: float,
+                 first: Optional[float], last):
+        self.tokens, self.n, self.reply, self.began, self.first, self.last = tokens, n, reply, began, first, last
 
 
 log = logging.getLogger("dflash2_mlx.engine")
@@ -242,7 +280,8 @@ class Engine:
         self._turns = _Turns(max_queue, self._max_batch())
         self._batchable = False  # the target's caches can be batched (set at load)
         self._batch_job = None  # the job stepping the batch, while it has requests
-        self._joins = []  # (request, push) waiting to join the batch, under _batch_lock
+        self._joins = []  # (request, push, carry) waiting to join the batch, under _batch_lock
+        self._solo = None  # a batchable request running as a single stream until others come
         self._batch_lock = threading.Lock()
         self._requests = {}
         self._jobs = set()
@@ -507,13 +546,38 @@ class Engine:
         """Hand the request to the batch job (starting one when none runs); the future is
         done when the job is done with the request."""
         request.done = Future()
+        p = request.params
+        seeded = self._sampling(p)["temp"] > 0 and p.get("seed") is not None
         with self._batch_lock:
-            self._joins.append((request, push))
-            if self._batch_job is None:
-                self._batch_job = self._worker.submit(self._batch_steps)
-                self._jobs = {j for j in self._jobs if not j.done()}
-                self._jobs.add(self._batch_job)
+            if self._batch_job is None and self._solo is None and not self._joins and not seeded:
+                # A seeded request stays out: its key cannot be handed over mid-stream.
+                self._solo = request
+                self._track(self._worker.submit(_own_random(self._steps), request, push, True))
+            else:
+                self._joins.append((request, push, None))
+                if self._solo is None:
+                    self._start_batch()
         return request.done
+
+    def _start_batch(self):
+        """Start the batch job if none runs (under _batch_lock)."""
+        if self._batch_job is None:
+            self._batch_job = self._worker.submit(self._batch_steps)
+            self._track(self._batch_job)
+
+    def _track(self, job: Future):
+        self._jobs = {j for j in self._jobs if not j.done()}
+        self._jobs.add(job)
+
+    def _solo_ended(self, request: _Request, carry: Optional["_Carry"]):
+        """The solo request has finished, or (``carry``) goes on in the batch, first in line."""
+        with self._batch_lock:
+            if carry is not None:
+                self._joins.insert(0, (request, request.push, carry))
+            if self._solo is request:
+                self._solo = None
+            if self._joins:
+                self._start_batch()
 
     def _batch_steps(self):
         """The batch job (worker thread): each step, the requests whose turn came join,
@@ -550,7 +614,7 @@ class Engine:
                     joined[uid].finish = "error"
                     joined[uid].push(e)
                     self._done(joined.pop(uid))
-                for request, push in joins:  # not in the batch yet
+                for request, push, _ in joins:  # not in the batch yet
                     self._refuse(request, push, "error", e)
                 gen = None
             yield
@@ -562,8 +626,10 @@ class Engine:
                               draft_window=self.settings.dflash_draft_window or None,
                               return_caches=True)
 
-    def _join(self, gen, joined: Dict[int, "_Joined"], request: _Request, push):
-        """Put a request into the batch: its prefix-cache start, sampling and stops."""
+    def _join(self, gen, joined: Dict[int, "_Joined"], request: _Request, push,
+              carry: Optional["_Carry"] = None):
+        """Put a request into the batch: its prefix-cache start, sampling and stops.  A
+        request handed over from its single stream (``carry``) goes on after its tokens."""
         from mlx_lm.sample_utils import make_logits_processors
 
         from ..sampling import SamplingParams
@@ -572,12 +638,14 @@ class Engine:
             self._refuse(request, push, "abort", Chunk("", "abort", len(request.ids)))
             return
         p, s = request.params, self.settings
+        ids = request.ids + (carry.tokens if carry else [])
         try:
-            start = self.prefix_cache.start(request.ids, self._model, self._drafter,
+            start = self.prefix_cache.start(ids, self._model, self._drafter,
                                             s.dflash_draft_window or None)
             penalties = _penalties(p)
             uid = gen.insert(
-                request.ids, max_tokens=self._max_tokens(p), params=SamplingParams(**self._sampling(p)),
+                ids, max_tokens=self._max_tokens(p) - (carry.n if carry else 0),
+                params=SamplingParams(**self._sampling(p)),
                 logits_processors=make_logits_processors(**penalties) if penalties else None,
                 stop_tokens=self.tokenizer.eos_token_ids, seed=p.get("seed"),
                 prompt_cache=start.cache if start.tokens else None, draft_context=start.context,
@@ -586,8 +654,12 @@ class Engine:
             self._refuse(request, push, "error", e)
             return
         self._stats.move(active=1)
-        joined[uid] = _Joined(request, push, start, _Reply(self.tokenizer, p, request.tools),
-                              self.tokenizer.detokenizer, s.engine(len(request.ids)))
+        j = _Joined(request, push, start, _Reply(self.tokenizer, p, request.tools),
+                    self.tokenizer.detokenizer, s.engine(len(request.ids)))
+        j.ids = ids
+        if carry is not None:
+            j.carry(carry)
+        joined[uid] = j
 
     def _refuse(self, request: _Request, push, finish: str, item):
         """A request that ends before it is in the batch: ``item`` is its last message."""
@@ -616,7 +688,7 @@ class Engine:
                 j.detokenizer.finalize()
             content, calls, j.finish = j.reply.add(j.detokenizer.last_segment, r.finish_reason)
             if content or calls or j.finish:
-                st = r.stats
+                st = j.stats(r.stats)
                 j.push(Chunk(content, j.finish, len(j.request.ids), j.n, calls, st.tau, st.cycles,
                              j.n / max(now - j.first, 1e-9), dict(sorted(st.block_sizes.items())),
                              st.fallback, j.start.reused, j.engine))
@@ -652,12 +724,12 @@ class Engine:
             # Recurrent states: the batch replays them to exactly the committed tokens, which
             # are all known unless a stop token cut the cycle (``store`` checks the count).
             start.held = (n, _recurrent(cache))
-        self.prefix_cache.store(j.request.ids + j.tokens, start)
+        self.prefix_cache.store(j.ids + j.tokens, start)
 
     def _done(self, j: "_Joined"):
         """The request's stats, its last message, and its place freed."""
         self._stats.move(active=-1)
-        n_prompt, st = len(j.request.ids), j.last.stats if j.last is not None else None
+        n_prompt, st = len(j.request.ids), j.stats(j.last.stats) if j.last is not None else None
         if st is not None:
             end = time.perf_counter()
             self._stats.add(prompt_tokens=n_prompt, generation_tokens=j.n,
@@ -671,8 +743,10 @@ class Engine:
         j.request.done.set_result(None)
 
     # On the worker thread -------------------------------------------------------------
-    def _steps(self, request: _Request, push):
-        """Generate one request, a token per step; push Chunks, then _DONE."""
+    def _steps(self, request: _Request, push, solo: bool = False):
+        """Generate one request, a token per step; push Chunks, then _DONE.  ``solo``: a
+        batchable request alone for now, handed over to the batch when another one asks to
+        join (its caches through the prefix cache, its text state with it)."""
         from mlx_lm.sample_utils import make_logits_processors
 
         from ..generate import stream_generate
@@ -680,11 +754,14 @@ class Engine:
         p, s = request.params, self.settings
         n_prompt = len(request.ids)
         self._stats.move(active=1)
+        request.push = push
         if request.aborted.is_set():
             self._stats.move(active=-1)
             push(Chunk("", "abort", n_prompt))
             push(_DONE)
+            self._solo_end(request, solo, None)
             return
+        began, first = time.perf_counter(), None
         mode = s.verify_mode(n_prompt)
         engine = s.engine(n_prompt)
         drafting = mode != "off" and self._drafter is not None
@@ -707,6 +784,7 @@ class Engine:
                 draft_context=start.context, cached_tokens=start.tokens)
             for last in gen:
                 n = last.generation_tokens
+                first = first or time.perf_counter()
                 emitted.append(last.token)
                 self.prefix_cache.note(start, len(request.ids) + n)
                 content, calls, finish = reply.add(last.text, last.finish_reason)
@@ -721,6 +799,9 @@ class Engine:
                     finish = "abort"
                     push(Chunk("", "abort", n_prompt, n, cached_tokens=start.reused, engine=engine))
                     break
+                if solo and self._joins:
+                    finish = "handover"
+                    break
         except Exception as e:
             finish = "error"
             push(e)
@@ -733,6 +814,9 @@ class Engine:
                 except Exception:  # a cache that cannot keep this request must not fail it
                     log.exception("prefix cache: could not store the request's caches")
             self._stats.move(active=-1)
+            if finish == "handover":
+                self._solo_end(request, solo, _Carry(emitted, n, reply, began, first, last))
+                return
             if last is not None:
                 self._stats.add(
                     prompt_tokens=n_prompt, generation_tokens=n,
@@ -744,6 +828,13 @@ class Engine:
             else:
                 self._stats.add(prompt_tokens=n_prompt, finish_reason=finish or "abort")
             push(_DONE)
+            self._solo_end(request, solo, None)
+
+    def _solo_end(self, request: _Request, solo: bool, carry: Optional["_Carry"]):
+        if solo:
+            if carry is None:
+                request.done.set_result(None)
+            self._solo_ended(request, carry)
 
 
 def _penalties(p: dict) -> dict:
