@@ -141,3 +141,45 @@ def test_hybrid_turn_end_is_the_last_step_with_only_known_tokens(tmp_path):
         assert mx.allclose(cached, full, atol=1e-4).item(), mx.abs(cached - full).max().item()
 
     on_worker(run)
+
+
+@pytest.mark.parametrize("prefix_cache_gb", [1.0, 0.0])
+def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(pair, prefix_cache_gb):
+    """Alone, a request runs as a single stream (no batch step); when a second one asks
+    to join, the first goes on in the batch after its tokens (its caches through the prefix
+    cache, or its own where that is off): each text is still generate()'s, token counts and
+    draft statistics run on across the handover."""
+    target, drafter, reference = pair
+    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)),
+               model_id="tiny", max_batch=4, prefix_cache_gb=prefix_cache_gb)
+    asyncio.run(e.start())
+
+    async def scenario():
+        alone = await e.generate("hello world", max_tokens=12, logit_bias=NO_EOS)
+        solo_steps = e.get_stats()["batch_steps"]
+        first = e.stream_generate("the sea and the sky", max_tokens=120, logit_bias=NO_EOS)
+        head = [await first.__anext__()]
+        second = asyncio.create_task(e.generate("zebra", max_tokens=20, logit_bias=NO_EOS))
+        rest = [c async for c in first]
+        return alone, solo_steps, head + rest, await second
+
+    try:
+        alone, solo_steps, chunks, second = asyncio.run(scenario())
+        stats = e.get_stats()
+    finally:
+        asyncio.run(e.stop())
+    from mlx_lm.sample_utils import make_logits_processors
+
+    bias = make_logits_processors(logit_bias=NO_EOS)
+    assert solo_steps == 0 and alone.text == reference("hello world", max_tokens=12, logits_processors=bias)
+    assert stats["peak_batch_size"] == 2  # the first request went on in the batch
+    assert "".join(c.text for c in chunks) == reference("the sea and the sky", max_tokens=120,
+                                                         logits_processors=bias)
+    last = chunks[-1]
+    assert last.completion_tokens == 120 and last.finish_reason == "length"
+    if not prefix_cache_gb:  # the handover's own caches are not the client's prompt cache
+        assert last.cached_tokens == 0
+    assert [c.completion_tokens for c in chunks] == sorted(c.completion_tokens for c in chunks)
+    assert sum(last.block_sizes.values()) == last.cycles and last.tau >= 1.0
+    assert second.text == reference("zebra", max_tokens=20, logits_processors=bias)
+    assert stats["requests"] == 3 and stats["generation_tokens"] == 12 + 120 + 20

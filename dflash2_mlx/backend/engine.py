@@ -220,6 +220,7 @@ class _Joined:
     def carry(self, c: "_Carry"):
         """Go on from a single stream: its count, times, text state and draft statistics."""
         self.n, self.joined, self.first, self.reply, self.before = c.n, c.began, c.first, c.reply, c.last
+        self.start.reused = c.reused  # what the client is told it reused: the prompt's
         for t in c.tokens:  # the text already sent: the detokenizer resumes after it
             self.detokenizer.add_token(t)
         self.detokenizer.last_segment
@@ -246,8 +247,10 @@ class _Carry:
     """A solo request's state as it hands over to the batch."""
 
     def __init__(self, tokens: List[int], n: int, reply: _Reply, began: float,
-                 first: Optional[float], last):
+                 first: Optional[float], last, caches: PrefixCache, reused: int):
         self.tokens, self.n, self.reply, self.began, self.first, self.last = tokens, n, reply, began, first, last
+        self.caches = caches  # where its caches are: the engine's prefix cache or its own
+        self.reused = reused  # prompt tokens its single stream took from the prefix cache
 
 
 log = logging.getLogger("dflash2_mlx.engine")
@@ -640,8 +643,8 @@ class Engine:
         p, s = request.params, self.settings
         ids = request.ids + (carry.tokens if carry else [])
         try:
-            start = self.prefix_cache.start(ids, self._model, self._drafter,
-                                            s.dflash_draft_window or None)
+            start = (carry.caches if carry else self.prefix_cache).start(
+                ids, self._model, self._drafter, s.dflash_draft_window or None)
             penalties = _penalties(p)
             uid = gen.insert(
                 ids, max_tokens=self._max_tokens(p) - (carry.n if carry else 0),
@@ -808,14 +811,16 @@ class Engine:
         finally:
             if gen is not None:
                 gen.close()
+            # A handover keeps its caches even where the prefix cache is off: in one of its own.
+            kept = self.prefix_cache if finish != "handover" or self.prefix_cache.enabled else PrefixCache(1 << 62)
             if start is not None and finish != "error":
                 try:
-                    self.prefix_cache.store(request.ids + emitted, start)
+                    kept.store(request.ids + emitted, start)
                 except Exception:  # a cache that cannot keep this request must not fail it
                     log.exception("prefix cache: could not store the request's caches")
             self._stats.move(active=-1)
             if finish == "handover":
-                self._solo_end(request, solo, _Carry(emitted, n, reply, began, first, last))
+                self._solo_end(request, solo, _Carry(emitted, n, reply, began, first, last, kept, start.reused))
                 return
             if last is not None:
                 self._stats.add(
