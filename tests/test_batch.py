@@ -13,10 +13,10 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
-from dflash2_mlx import batch as batch_mod
+from dflash2_mlx import batch_cache
 from dflash2_mlx.adaptive import CostModel, best_block
-from dflash2_mlx.batch import (BatchCosts, BatchGenerator, batch_generate, draft_hidden,
-                               prefill_groups)
+from dflash2_mlx.batch import BatchCosts, BatchGenerator, batch_generate, prefill_groups
+from dflash2_mlx.batch_cache import draft_hidden
 from dflash2_mlx.draft_context import DraftContext
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.speculative import speculative_generate_step
@@ -182,7 +182,7 @@ def test_batch_cache_equals_fresh_prefill_after_every_cycle(pairs, family, monke
     """Each sequence's caches (attention rows with holes skipped; recurrent states, rolled
     back and replayed per sequence) are its committed tokens', with compaction running
     every few cycles; so are a finished sequence's returned caches."""
-    monkeypatch.setattr(batch_mod, "COMPACT_MIN_ROWS", 4)
+    monkeypatch.setattr(batch_cache, "COMPACT_MIN_ROWS", 4)
     model, tok, drafter = pairs[family]
     target = attach(model, drafter)
     prompts = [tok.encode(t) for t in ("dcba abcd", "ab", "cc dd aa bb")]

@@ -852,7 +852,7 @@ def _penalties(p: dict) -> dict:
 
 def _batchable(model, drafter) -> bool:
     """Whether ``BatchGenerator`` takes this target (not one with sliding-window caches)."""
-    from ..batch import batch_layers
+    from ..batch_cache import batch_layers
     from ..target import UnsupportedTargetError, attach
 
     try:
