@@ -179,6 +179,13 @@ def test_held_out_records_are_evaluated_and_never_trained_on(tiny, tmp_path):
     with pytest.raises(ValueError, match="nothing to train on"):
         _train(model, init.new_drafter(cfg, seed=0), records, tmp_path / "c", steps=1,
                val_records=len(records))
+    # A prompt asked twice is one sequence, and never held out when it is also trained on.
+    tc = trainer.TrainConfig()
+    assert len(trainer.DataStream(records + records, tc, trainer.TrainState()).seqs) == len(
+        trainer.DataStream(records, tc, trainer.TrainState()).seqs)
+    with pytest.raises(ValueError, match="nothing held out"):
+        _train(model, init.new_drafter(cfg, seed=0), records + records[:1], tmp_path / "d", steps=1,
+               val_records=1)
 
 
 def test_new_drafter_is_sized_from_the_target(tiny, tmp_path):

@@ -77,14 +77,16 @@ class TrainState:
 
 
 class DataStream:
-    """Sequences in a seeded random order per epoch; position survives checkpoints."""
+    """Sequences in a seeded random order per epoch; position survives checkpoints.  A
+    sequence that repeats an earlier one (a prompt asked twice, answered alike at T=0)
+    is left out, as is one in ``exclude`` (token tuples)."""
 
-    def __init__(self, records, cfg: TrainConfig, state: TrainState):
-        self.seqs = [(r.get("id", i), ids, start) for i, (r, (ids, start))
-                     in enumerate(zip(records, sequences(records, cfg.max_len)))
-                     if len(ids) - start >= 2]
-        if not self.seqs:
-            raise ValueError("no training sequence has a response of 2 tokens or more")
+    def __init__(self, records, cfg: TrainConfig, state: TrainState, exclude=frozenset()):
+        self.seqs, seen = [], set(exclude)
+        for i, (r, (ids, start)) in enumerate(zip(records, sequences(records, cfg.max_len))):
+            if len(ids) - start >= 2 and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                self.seqs.append((r.get("id", i), ids, start))
         self.cfg, self.state = cfg, state
 
     def order(self):
@@ -216,9 +218,14 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
         if cfg.val_records >= len(records):
             raise ValueError(f"val_records={cfg.val_records} leaves nothing to train on "
                              f"({len(records)} records)")
-        held_out = DataStream(records[-cfg.val_records:], cfg, TrainState()).seqs
-        records = records[: -cfg.val_records]
+        records, held = records[: -cfg.val_records], records[-cfg.val_records:]
     data = DataStream(records, cfg, state)
+    if not data.seqs:
+        raise ValueError("no training sequence has a response of 2 tokens or more")
+    if cfg.val_records > 0:  # held out: never a sequence that is also trained on
+        held_out = DataStream(held, cfg, TrainState(), {tuple(ids) for _, ids, _ in data.seqs}).seqs
+        if not held_out:
+            raise ValueError(f"the last {cfg.val_records} records repeat training ones: nothing held out")
     cache = None
     if cfg.feature_cache_gb > 0:
         meta = {"target": target_name, "layers": drafter.config.target_layer_ids, "max_len": cfg.max_len}
