@@ -168,6 +168,9 @@ def ship(args):
 
     steps = " then ".join(phase(c, hs) for c, hs in phases)
     n_records = sum(1 for _ in open(args.data)) if args.data else None
+    if args.data:  # the prompt maker repeats some templated prompts; training counts each once
+        distinct = {json.dumps(json.loads(line)["prompt_ids"]) for line in open(args.data)}
+        n_records = f"{n_records} ({len(distinct)} distinct)"
     size = sum(p.stat().st_size for p in dest.iterdir())
     last = hist[-10:]
     mean = lambda k: sum(h.get(k, 0.0) for h in last) / max(len(last), 1)
