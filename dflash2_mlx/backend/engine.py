@@ -234,7 +234,7 @@ class _Joined:
             return st
         out = CycleStats(max(len(b.acceptance_counts), len(st.position_accepted)) + 1)
         out.cycles = b.cycles + st.cycles
-        out.total_accepted = round((b.tau - 1) * b.cycles) + st.total_accepted
+        out.total_accepted = sum(b.acceptance_counts) + st.total_accepted
         out.block_sizes = collections.Counter(b.block_sizes) + collections.Counter(st.block_sizes)
         for part in (b.acceptance_counts, st.position_accepted):
             for i, v in enumerate(part):

@@ -213,7 +213,7 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
         state = TrainState()
         rng = np.random.default_rng(cfg.seed)
     target = attach(target_model, drafter)
-    held_out = []
+    held = []
     if cfg.val_records > 0:
         if cfg.val_records >= len(records):
             raise ValueError(f"val_records={cfg.val_records} leaves nothing to train on "
@@ -222,10 +222,10 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
     data = DataStream(records, cfg, state)
     if not data.seqs:
         raise ValueError("no training sequence has a response of 2 tokens or more")
-    if cfg.val_records > 0:  # held out: never a sequence that is also trained on
-        held_out = DataStream(held, cfg, TrainState(), {tuple(ids) for _, ids, _ in data.seqs}).seqs
-        if not held_out:
-            raise ValueError(f"the last {cfg.val_records} records repeat training ones: nothing held out")
+    # Held out: never a sequence that is also trained on.
+    held_out = DataStream(held, cfg, TrainState(), {tuple(ids) for _, ids, _ in data.seqs}).seqs
+    if held and not held_out:
+        raise ValueError(f"the last {cfg.val_records} records repeat training ones: nothing held out")
     cache = None
     if cfg.feature_cache_gb > 0:
         meta = {"target": target_name, "layers": drafter.config.target_layer_ids, "max_len": cfg.max_len}
