@@ -802,7 +802,7 @@ class Engine:
                     finish = "abort"
                     push(Chunk("", "abort", n_prompt, n, cached_tokens=start.reused, engine=engine))
                     break
-                if solo and self._joins:
+                if solo and self._joins and last.cycles:  # after a cycle: its τ counts one
                     finish = "handover"
                     break
         except Exception as e:
