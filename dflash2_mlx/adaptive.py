@@ -15,6 +15,7 @@ The choice depends only on the past, so every cycle stays lossless whatever it p
 
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -33,6 +34,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-cycles behind each prior rate
 SEED_WEIGHT = 4.0  # cycles a pair's history on this machine counts for at a request's start
 DECAY = 0.95  # evidence kept per drafted cycle
 PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backing off, at most
+PROBE_BUDGET = 0.015  # a failed probe's extra cost, spread over the wait, is at most this share
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
 CALIBRATION = 2  # bumped when calibrate() measures differently: older cost files are remeasured
 
@@ -330,17 +332,21 @@ class Adaptive:
 
     When the best block is 1 (plain decoding) it probes with the best drafting block
     after ``wait`` plain steps; the wait doubles after every probe with nothing accepted
-    (up to PROBE_MAX) and starts over after one that had a draft accepted.  A request
-    starts from its pair's history (worth SEED_WEIGHT cycles) when there is one; only a
-    pair without any probes at once when its prior says plain."""
+    (up to PROBE_MAX) and starts over after one that had a draft accepted.  It is never
+    shorter than what keeps a failed probe's extra cost within PROBE_BUDGET of the plain
+    steps around it, so probes grow rarer where verifying more rows costs more (long
+    contexts).  A request starts from its pair's history (worth SEED_WEIGHT cycles) when
+    there is one; only a pair without any probes at once when its prior says plain."""
 
     def __init__(self, costs: CostModel, largest: int, acceptance: Acceptance, seeded: bool = False):
         self.costs, self.largest, self.acceptance = costs, largest, acceptance
         self.fallback = False
         self.wait = PROBE_FIRST if seeded else 0
         self.backoff = PROBE_FIRST
+        self.context = 0
 
     def block_size(self, context: int) -> int:
+        self.context = context
         rates = self.acceptance.rates()
         b = best_block(rates, self.costs, context, self.largest)
         self.fallback = b == 1
@@ -348,18 +354,24 @@ class Adaptive:
             return b
         return best_block(rates, self.costs, context, self.largest, smallest=2)  # a probe
 
+    def _wait(self, steps: int, probe: int) -> int:
+        """At least ``steps``, and enough plain steps to amortize a failed probe of block
+        ``probe`` at the current context within PROBE_BUDGET."""
+        extra = self.costs.cycle(probe, self.context) / self.costs.cycle(1, self.context) - 1
+        return max(steps, math.ceil(extra / PROBE_BUDGET))
+
     def record(self, b: int, accepted: int):
         if b > 1:
             self.acceptance.record(b, accepted)
         if not self.fallback:  # drafting: a fallback from here waits before probing
-            self.wait, self.backoff = PROBE_FIRST, PROBE_FIRST
+            self.wait, self.backoff = self._wait(PROBE_FIRST, max(b, 2)), PROBE_FIRST
         elif b == 1:
             self.wait -= 1
         elif accepted:  # a probe with a sign of life: probe again soon (at once if all taken)
-            self.wait = 0 if accepted == b - 1 else PROBE_FIRST
+            self.wait = 0 if accepted == b - 1 else self._wait(PROBE_FIRST, b)
             self.backoff = PROBE_FIRST
         else:  # a probe that found nothing: wait longer
-            self.wait = self.backoff
+            self.wait = self._wait(self.backoff, b)
             self.backoff = min(2 * self.backoff, PROBE_MAX)
 
 

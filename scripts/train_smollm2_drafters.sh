@@ -62,9 +62,24 @@ OPENBLAS_NUM_THREADS=1 python "$T" train --version 2 data.jsonl features.safeten
     --batch-size 8 --max-anchors 32 --max-len 448 --seed 3 --val-records 64 --val-every 50 --save-every 25 \
     --min-block-size 3 --distill 1 --sliding-window 64 --warm-layers 28,29 > train-s4.log 2>&1
 
-# 6. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package, and compare
+# 6. Prompts in the five benchmark domains' forms (make_domain_prompts.py: multi-step word
+#    problems, LaTeX competition problems, stdlib stubs to complete, one-line function tasks,
+#    open questions; none of the sets' items), their responses (1024 prompts, 188k tokens:
+#    ~45 min shared) and features (~15 min), then run-s4 continued on old + new records with
+#    the last 64 new ones held out (600 steps at lr 1e-3, one BLAS thread).
+python "$HERE/make_domain_prompts.py" prompts-d.jsonl --n 1280 --seed 1
+dflash2-mlx train --data-only --prompts prompts-d.jsonl --data data-d.jsonl --out run-data-d \
+    --prompt-limit 1024 --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
+[[ -f features-d.safetensors ]] || python "$T" features data-d.jsonl features-d.safetensors --max-len 448 --batch 8
+cat data.jsonl data-d.jsonl > data-all5.jsonl
+OPENBLAS_NUM_THREADS=1 python "$T" train --version 2 data-all5.jsonl features.safetensors \
+    --more-features features-d.safetensors run-s5 --init run-s4/final --steps 600 --lr 1e-3 \
+    --batch-size 8 --max-anchors 32 --max-len 448 --seed 5 --val-records 64 --val-every 50 --save-every 25 \
+    --min-block-size 3 --distill 1 --sliding-window 64 > train-s5.log 2>&1
+
+# 7. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package, and compare
 #    the shipped copies' offline tau with the fp32 runs.
 DEST="$HERE/../dflash2_mlx/drafters"
-python "$T" ship run-s4/final "$DEST/smollm2-135m-dflash2" --bits 8 --data data.jsonl
+python "$T" ship run-s5/final "$DEST/smollm2-135m-dflash2" --bits 8 --data data-all5.jsonl --previous run-s4 --domain
 python "$T" ship run-v1/final "$DEST/smollm2-135m-dflash1" --bits 8 --data data-first.jsonl
-python "$T" check data.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s4/final "$DEST/smollm2-135m-dflash2"
+python "$T" check data-all5.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s5/final "$DEST/smollm2-135m-dflash2"

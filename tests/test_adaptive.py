@@ -121,6 +121,27 @@ def test_policy_falls_back_and_probes_with_backoff():
     assert not policy.fallback and policy.block_size(0) == 8
 
 
+def probe_gaps(policy, context, n=300):
+    sizes = []
+    for _ in range(n):
+        b = policy.block_size(context)
+        policy.record(b, 0)  # never accepted
+        sizes.append(b)
+    plain = sizes.index(1)  # the fallback: drafted cycles before it are not probes
+    return np.diff([i for i, b in enumerate(sizes) if b > 1 and i >= plain - 1])
+
+
+def test_probes_grow_rarer_where_verifying_costs_more():
+    # Verifying 2 rows costs 1.1x a plain step at a short context, ~1.5x at 8k (attention).
+    costs = CostModel({1: (1.0, 1e-4), 2: (1.1, 1.7e-4), 8: (1.7, 8e-4)}, {2: (0.05, 0.0), 8: (0.05, 0.0)})
+    short = probe_gaps(Adaptive(costs, 8, Acceptance.empty(7)), 16)
+    long = probe_gaps(Adaptive(costs, 8, Acceptance.empty(7)), 8000)
+    extra = costs.cycle(2, 8000) / costs.cycle(1, 8000) - 1
+    assert extra > 0.35 and min(long) > extra / adaptive.PROBE_BUDGET  # every failed probe amortized
+    assert min(short) == adaptive.PROBE_FIRST + 1 < min(long)  # short context: the usual schedule
+    assert max(short) == max(long) == adaptive.PROBE_MAX + 1  # backing off ends where it always did
+
+
 # --- losslessness with the block size changing --------------------------------------------------
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
