@@ -80,6 +80,6 @@ OPENBLAS_NUM_THREADS=1 python "$T" train --version 2 data-all5.jsonl features.sa
 # 7. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package, and compare
 #    the shipped copies' offline tau with the fp32 runs.
 DEST="$HERE/../dflash2_mlx/drafters"
-python "$T" ship run-s5/final "$DEST/smollm2-135m-dflash2" --bits 8 --data data-all5.jsonl --previous run-s4 --domain
+python "$T" ship run-s5/final "$DEST/smollm2-135m-dflash2" --bits 8 --data data-all5.jsonl --previous run-s4/final --domain
 python "$T" ship run-v1/final "$DEST/smollm2-135m-dflash1" --bits 8 --data data-first.jsonl
 python "$T" check data-all5.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s5/final "$DEST/smollm2-135m-dflash2"
