@@ -364,7 +364,7 @@ class Adaptive:
         if b > 1:
             self.acceptance.record(b, accepted)
         if not self.fallback:  # drafting: a fallback from here waits before probing
-            self.wait, self.backoff = self._wait(PROBE_FIRST, max(b, 2)), PROBE_FIRST
+            self.wait, self.backoff = self._wait(PROBE_FIRST, 2), PROBE_FIRST  # sized for the cheapest probe
         elif b == 1:
             self.wait -= 1
         elif accepted:  # a probe with a sign of life: probe again soon (at once if all taken)
