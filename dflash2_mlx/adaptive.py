@@ -31,6 +31,8 @@ STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
 CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
 PRIOR_RATE = 0.5  # acceptance assumed for a pair never seen on this machine
 PRIOR_WEIGHT = 2.0  # pseudo-cycles behind each prior rate
+SAMPLED_PRIOR_WEIGHT = 8.0  # ... for a sampled request without history: its first few cycles
+# are accepted or not by chance, and a plain-decoding request learns only from rare probes
 SEED_WEIGHT = 4.0  # cycles a pair's history on this machine counts for at a request's start
 DECAY = 0.95  # evidence kept per drafted cycle
 PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backing off, at most
@@ -268,10 +270,11 @@ class Acceptance:
     position not tried for a while drifts back to a guess worth trying."""
     reached: List[float]
     accepted: List[float]
+    prior_weight: float = PRIOR_WEIGHT
 
     @classmethod
-    def empty(cls, positions: int) -> "Acceptance":
-        return cls([0.0] * positions, [0.0] * positions)
+    def empty(cls, positions: int, prior_weight: float = PRIOR_WEIGHT) -> "Acceptance":
+        return cls([0.0] * positions, [0.0] * positions, prior_weight)
 
     def record(self, b: int, accepted: int):
         """One drafted cycle with block ``b`` whose first ``accepted`` drafts were taken."""
@@ -284,7 +287,7 @@ class Acceptance:
     def rates(self) -> List[float]:
         out, prev = [], PRIOR_RATE
         for n, a in zip(self.reached, self.accepted):
-            prev = (a + PRIOR_WEIGHT * prev) / (n + PRIOR_WEIGHT)
+            prev = (a + self.prior_weight * prev) / (n + self.prior_weight)
             out.append(prev)
         return out
 
@@ -409,7 +412,8 @@ def policy(target, drafter, block_size=AUTO, greedy: bool = True,
     positions = drafter.config.block_size - 1
     key = pair_key(target, drafter, greedy) if history else None
     hist = load_history(key, positions) if key else None
-    start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(positions)
+    start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(
+        positions, PRIOR_WEIGHT if greedy else SAMPLED_PRIOR_WEIGHT)
     chosen = Adaptive(costs or cost_model(target, drafter), largest or positions + 1, start,
                       seeded=hist is not None)
     chosen.history_key = key

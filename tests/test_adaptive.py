@@ -121,6 +121,21 @@ def test_policy_falls_back_and_probes_with_backoff():
     assert not policy.fallback and policy.block_size(0) == 8
 
 
+def test_sampled_requests_start_from_a_firmer_prior(pair):
+    # A sampled request's first cycles are accepted or not by chance: three rejections must
+    # not send it to plain decoding, where it would learn only from rare probes.
+    greedy, sampled = Acceptance.empty(7), Acceptance.empty(7, adaptive.SAMPLED_PRIOR_WEIGHT)
+    for acc in (greedy, sampled):
+        for _ in range(3):
+            acc.record(3, 0)
+    assert greedy.rates()[0] < 0.25 < 0.35 < sampled.rates()[0]
+    model, _, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    for greedy_request, weight in ((True, adaptive.PRIOR_WEIGHT), (False, adaptive.SAMPLED_PRIOR_WEIGHT)):
+        chosen = adaptive.policy(target, drafter, greedy=greedy_request, costs=CPU, history=False)
+        assert chosen.acceptance.prior_weight == weight
+
+
 def probe_gaps(policy, context, n=300):
     sizes = []
     for _ in range(n):
