@@ -18,10 +18,8 @@ import argparse
 import ast
 import json
 import random
-import sysconfig
-from pathlib import Path
 
-from make_smollm2_prompts import ITEMS, NAMES, TOPICS
+from make_smollm2_prompts import ITEMS, NAMES, TOPICS, stdlib_modules
 
 JOBS = [("baker", "loaves"), ("farmer", "baskets of tomatoes"), ("florist", "bouquets"),
         ("tailor", "shirts"), ("painter", "rooms"), ("teacher", "worksheets"),
@@ -94,15 +92,8 @@ def math_prompt(r):
 
 def stubs(limit_len=(40, 500)):
     """(signature source, docstring) of public, documented stdlib functions."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for f in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-        if {"site-packages", "dist-packages"} & set(f.parts) or "test" in f.parts[-2] or f.name.startswith("test"):
-            continue
-        try:
-            tree = ast.parse(f.read_text(errors="ignore"))
-        except (SyntaxError, ValueError):
-            continue
+    for _, tree in stdlib_modules():
         for node in tree.body:  # module-level functions: no self, readable on their own
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 doc = ast.get_docstring(node)

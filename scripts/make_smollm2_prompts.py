@@ -33,9 +33,9 @@ WRITING = ["Write a short paragraph about {t}.", "Give three practical tips abou
            "Describe {t} in five sentences."]
 
 
-def docstrings(limit_len=(60, 600)):
+def stdlib_modules():
+    """(module name, parsed source) of every CPython standard-library module but the tests."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
     for f in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
         if {"site-packages", "dist-packages"} & set(f.parts) or "test" in f.parts[-2] or f.name.startswith("test"):
             continue
@@ -43,7 +43,12 @@ def docstrings(limit_len=(60, 600)):
             tree = ast.parse(f.read_text(errors="ignore"))
         except (SyntaxError, ValueError):
             continue
-        mod = f.stem if f.parent == root else f"{f.parent.name}.{f.stem}"
+        yield (f.stem if f.parent == root else f"{f.parent.name}.{f.stem}"), tree
+
+
+def docstrings(limit_len=(60, 600)):
+    out = []
+    for mod, tree in stdlib_modules():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
                 doc = ast.get_docstring(node)
