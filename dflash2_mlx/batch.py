@@ -90,7 +90,7 @@ def accept_lazy(logprobs: mx.array, draft: Optional[mx.array], q: Optional[mx.ar
                 params: SamplingParams):
     """One sequence's accept rule as lazy arrays (ok [n], candidates [n + 1]), so a batch
     is evaluated at once; ``pick`` reads them.  The same rule and the same draws as
-    ``accept_greedy`` / ``accept_sampled`` (a uniform per draft, then one categorical over
+    ``verify_greedy`` / ``verify_sampled`` (a uniform per draft, then one categorical over
     the vocabulary, i.e. argmax of the row plus one gumbel draw); ``draft`` None is a plain
     step, drawn as ``sample`` draws it."""
     if draft is None:

@@ -36,9 +36,9 @@ class SamplingParams:
         return self.temp == 0
 
 
-def processed_logprobs(logits: mx.array, history: mx.array, block: mx.array,
-                       processors: Optional[List[Callable]]) -> mx.array:
-    """Log-softmax of each row of ``logits`` [L, V] after the logits processors.
+def processed_logits(logits: mx.array, history: mx.array, block: mx.array,
+                     processors: Optional[List[Callable]]) -> mx.array:
+    """Rows of ``logits`` [L, V] in float32 after the logits processors.
 
     Row i follows ``history`` + ``block[: i + 1]``, as in a plain decode."""
     logits = logits.astype(mx.float32)
@@ -51,7 +51,17 @@ def processed_logprobs(logits: mx.array, history: mx.array, block: mx.array,
                 row = proc(tokens, row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
+    return logits
+
+
+def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def processed_logprobs(logits: mx.array, history: mx.array, block: mx.array,
+                       processors: Optional[List[Callable]]) -> mx.array:
+    """Log-softmax of each row of ``logits`` [L, V] after the logits processors."""
+    return log_softmax(processed_logits(logits, history, block, processors))
 
 
 def filtered(logprobs: mx.array, params: SamplingParams) -> mx.array:
@@ -83,27 +93,52 @@ def accept_greedy(target_tokens: mx.array, draft: mx.array):
     return accepted, int(target_tokens[accepted].item())
 
 
-def accept_sampled(p: mx.array, q: mx.array, draft: mx.array):
-    """Speculative rejection sampling.
+def verify_greedy(logits: mx.array, draft: mx.array):
+    """Greedy acceptance of ``draft`` [n] against processed target rows ``logits`` [n + 1, V]:
+    (accepted, bonus, logprobs of the rows up to the bonus's).
 
-    p: [n + 1, V] target rows (row i is the distribution of draft[i]; row n the bonus);
-    q: [n, V] the rows the draft tokens were sampled from.
-    Accept draft[i] while u * q(d) < p(d); at the first rejection sample from
-    normalize(max(p - q, 0)); when all are accepted, sample the bonus from p[n].
+    A log-softmax costs ~0.6 ms a row here (an exp per vocabulary entry) and the rows after
+    the first rejection are never emitted, so only the emitted rows get one.  Acceptance
+    still follows the argmax of the log-probabilities, as a plain mlx-lm step does:
+    subtracting the log-sum can round two near-equal logits to one value, and then the
+    first of them wins.  So the raw argmax is trusted only where it agrees with the
+    log-probabilities' argmax on every row computed; otherwise every row is computed."""
+    top = mx.argmax(logits, axis=-1)
+    n = draft.shape[0]
+    match = (draft == top[:n]).tolist()
+    accepted = next((i for i, m in enumerate(match) if not m), n)
+    logprobs = log_softmax(logits[: accepted + 1])
+    chosen = mx.argmax(logprobs, axis=-1)
+    if mx.array_equal(chosen, top[: accepted + 1]).item():
+        return accepted, int(chosen[accepted].item()), logprobs
+    logprobs = log_softmax(logits)
+    accepted, bonus = accept_greedy(mx.argmax(logprobs, axis=-1), draft)
+    return accepted, bonus, logprobs
+
+
+def verify_sampled(logits: mx.array, q: mx.array, draft: mx.array, params: SamplingParams):
+    """Speculative rejection sampling of ``draft`` [n] against processed target rows
+    ``logits`` [n + 1, V]: (accepted, token, logprobs of the rows up to the token's).
+
+    q: [n, V] the rows the draft tokens were sampled from; p: the target's rows as mlx-lm
+    samples them (``probs``).  Accept draft[i] while u * q(d) < p(d); at the first
+    rejection sample from normalize(max(p - q, 0)); when all are accepted, sample the bonus
+    from p[n].  Rows are normalized one at a time up to the first rejection: each costs two
+    exps per vocabulary entry, and the rows after a rejection are never used.  The
+    uniforms are drawn all at once first, so a seed gives the same text however far it gets.
     """
     n = draft.shape[0]
     if n:
-        idx = draft[:, None]
-        p_d = mx.take_along_axis(p[:n], idx, axis=-1)[:, 0]
-        q_d = mx.take_along_axis(q, idx, axis=-1)[:, 0]
         u = mx.random.uniform(shape=(n,))
-        ok = (u * q_d < p_d).tolist()
-        accepted = next((i for i, m in enumerate(ok) if not m), n)
-    else:
-        accepted = 0
-    if accepted < n:
-        residual = mx.maximum(p[accepted] - q[accepted], 0)
-        token = mx.random.categorical(mx.log(residual))
-    else:
-        token = mx.random.categorical(mx.log(p[n]))
-    return accepted, int(token.item())
+        q_d = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+    rows = []
+    for i in range(n + 1):
+        rows.append(log_softmax(logits[i : i + 1]))
+        p = probs(rows[-1], params)[0]
+        if i == n:
+            token = mx.random.categorical(mx.log(p))
+        elif not (u[i] * q_d[i] < p[draft[i]]).item():
+            token = mx.random.categorical(mx.log(mx.maximum(p - q[i], 0)))
+        else:
+            continue
+        return i, int(token.item()), mx.concatenate(rows)

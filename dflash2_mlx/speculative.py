@@ -18,8 +18,8 @@ import mlx.core as mx
 from . import adaptive
 from .draft_context import DraftContext
 from .drafter import Drafter, propose
-from .sampling import (SamplingParams, accept_greedy, accept_sampled, probs,
-                       processed_logprobs, sample)
+from .sampling import (SamplingParams, processed_logits, processed_logprobs, sample,
+                       verify_greedy, verify_sampled)
 from .target import Target, rollback, snapshot
 
 
@@ -127,12 +127,12 @@ def speculative_generate_step(
         verify = mx.concatenate([mx.array([anchor]), draft.astype(mx.int32)])
         saved = snapshot(cache)
         logits, features = target(verify[None], cache)
-        logprobs = processed_logprobs(logits[0], history, verify, logits_processors)
+        rows = processed_logits(logits[0], history, verify, logits_processors)
         # Accept: greedy prefix match, or rejection sampling against q.
         if params.greedy:
-            accepted, bonus = accept_greedy(mx.argmax(logprobs, axis=-1), draft)
+            accepted, bonus, logprobs = verify_greedy(rows, draft)
         else:
-            accepted, bonus = accept_sampled(probs(logprobs, params), q, draft)
+            accepted, bonus, logprobs = verify_sampled(rows, q, draft, params)
         kept = verify[: accepted + 1]
         rollback(target, cache, saved, verify.size, kept[None])
         context.add(features[:, : accepted + 1])

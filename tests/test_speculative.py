@@ -98,6 +98,66 @@ def test_greedy_parity_with_repetition_penalty(pairs):
         assert out == ref
 
 
+def test_emitted_logprobs_match_mlx_lm(pairs):
+    """Each emitted token's log-probabilities are the ones a plain mlx-lm step yields,
+    whether the token was drafted, a bonus, or decoded plain (up to float rounding: a
+    verify pass multiplies 1 + n rows where a plain step multiplies one)."""
+    model, tok, drafters = pairs["qwen3"]
+    prompt = mx.array(tok.encode("abcab dcba"))
+    ref = [lp for _, lp in generate_step(prompt, model, max_tokens=MAX_TOKENS)]
+    for block_size in (1, 3, 8):
+        steps = speculative_generate_step(prompt, attach(model, drafters[2]), drafters[2],
+                                          max_tokens=MAX_TOKENS, block_size=block_size)
+        got = [lp for _, lp, _, _ in steps]
+        assert len(got) == len(ref)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert mx.allclose(a, b, atol=1e-4).item(), f"block {block_size}: token {i}'s logprobs differ"
+
+
+def _reference_accept(logits, draft):
+    from dflash2_mlx.sampling import accept_greedy, log_softmax
+    logprobs = log_softmax(logits)
+    accepted, bonus = accept_greedy(mx.argmax(logprobs, axis=-1), draft)
+    return accepted, bonus, logprobs
+
+
+def test_verify_greedy_equals_the_full_rule_on_random_rows():
+    from dflash2_mlx.sampling import verify_greedy
+    rng = np.random.default_rng(0)
+    seen = set()
+    for trial in range(200):
+        n = int(rng.integers(1, 8))
+        logits = mx.array(rng.normal(size=(n + 1, 64)).astype(np.float32) * 3)
+        top = np.argmax(np.array(logits), axis=-1)
+        agree = int(rng.integers(0, n + 1))  # the draft follows the argmax this far
+        draft = np.where(np.arange(n) < agree, top[:n], (top[:n] + 1) % 64)
+        draft = mx.array(draft.astype(np.int32))
+        accepted, bonus, logprobs = verify_greedy(logits, draft)
+        ref_accepted, ref_bonus, ref_logprobs = _reference_accept(logits, draft)
+        assert (accepted, bonus) == (ref_accepted, ref_bonus)
+        assert logprobs.shape[0] >= accepted + 1
+        assert mx.array_equal(logprobs[: accepted + 1], ref_logprobs[: accepted + 1]).item()
+        seen.add(accepted == n)
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("draft_token", [7, 0])
+def test_verify_greedy_follows_logprobs_where_rounding_ties_logits(draft_token):
+    """Logits 1.0 everywhere but one ulp more at index 7: after subtracting the log-sum both
+    round to one value, so mlx-lm's argmax over log-probabilities picks index 0 where the
+    raw logits' argmax says 7.  Acceptance must follow the log-probabilities either way."""
+    from dflash2_mlx.sampling import log_softmax, verify_greedy
+    row = np.ones(1000, dtype=np.float32)
+    row[7] = np.nextafter(np.float32(1.0), np.float32(2.0))
+    logits = mx.array(np.stack([row, row]))
+    assert int(mx.argmax(logits[0]).item()) == 7
+    assert int(mx.argmax(log_softmax(logits[0])).item()) == 0  # the premise of this test
+    draft = mx.array([draft_token], dtype=mx.int32)
+    accepted, bonus, logprobs = verify_greedy(logits, draft)
+    assert (accepted, bonus) == _reference_accept(logits, draft)[:2]
+    assert (accepted, bonus) == ((1, 0) if draft_token == 0 else (0, 0))
+
+
 def _scale_tree(module, key_filter, fn):
     params = dict(tree_flatten(module.parameters()))
     module.load_weights([(k, fn(k, v)) for k, v in params.items() if key_filter(k)], strict=False)
