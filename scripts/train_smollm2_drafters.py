@@ -179,23 +179,34 @@ def ship(args):
     every = [h for _, hs in phases for h in hs]  # the phases' steps, one after another
     topk = lambda avg: f"{avg('in_topk'):.3f}" if drafter.version == 2 else "-"  # v1 has no selector
     val = any("val_ce" in h for h in every)  # a held-out split (--val-records): its figures too
-    curve = ["| steps (all phases) | blocks seen | CE | top-1 (all positions) | top-1 position 1 | in top-16 |"
+    many = len(phases) > 1
+    curve = [("| phase " if many else "") + "| steps (all phases) | blocks seen | CE | top-1 (all positions) | top-1 position 1 | in top-16 |"
              + (" held-out CE | held-out top-1 position 1 |" if val else ""),
-             "|---|---|---|---|---|---|" + ("---|---|" if val else "")]
+             ("|---" if many else "") + "|---|---|---|---|---|---|" + ("---|---|" if val else "")]
     window = max(len(every) // 12, 1)
-    for end in range(window, len(every) + 1, window):
-        part = every[end - window : end]
-        avg = lambda k: sum(h.get(k, 0.0) for h in part) / len(part)
-        row = (f"| {end - window + 1}-{end} | {end * tcfg['batch_size'] * tcfg['max_anchors']} | "
-               f"{avg('ce'):.2f} | {avg('top1'):.3f} | {avg('top1_pos1'):.3f} | {topk(avg)} |")
-        if val:
-            held = [h for h in part if "val_ce" in h]
-            row += (f" {held[-1]['val_ce']:.2f} (step {held[-1]['step']}) | {held[-1]['val_top1_pos1']:.3f} |"
-                    if held else " - | - |")
-        curve.append(row)
+    start = 0  # windows never straddle two phases: each phase holds out a different set
+    for k, (_, hs) in enumerate(phases):
+        for lo in range(0, len(hs), window):
+            part = hs[lo : lo + window]
+            end = start + lo + len(part)
+            avg = lambda key: sum(h.get(key, 0.0) for h in part) / len(part)
+            row = ((f"| {k + 1} " if many else "")
+                   + f"| {start + lo + 1}-{end} | {end * tcfg['batch_size'] * tcfg['max_anchors']} | "
+                   f"{avg('ce'):.2f} | {avg('top1'):.3f} | {avg('top1_pos1'):.3f} | {topk(avg)} |")
+            if val:
+                held = [h for h in part if "val_ce" in h]
+                row += (f" {held[-1]['val_ce']:.2f} (step {held[-1]['step']}) | {held[-1]['val_top1_pos1']:.3f} |"
+                        if held else " - | - |")
+            curve.append(row)
+        start += len(hs)
     curve = "\n".join(curve)
-    held_note = (f";\n  the last {tcfg['val_records']} held out, never trained on (the held-out columns below)"
-                 if tcfg.get("val_records") else "")
+    held_note = ""
+    if tcfg.get("val_records"):
+        held_note = (f";\n  the last {tcfg['val_records']} held out, never trained on (the held-out columns below)")
+        if many:
+            held_note = (f";\n  each phase held out the last {tcfg['val_records']} records of its own data (the held-out columns\n"
+                         "  below); a later phase's data adds newer records after them, so it trains on an earlier\n"
+                         "  phase's held-out records and its held-out figures are on a new set")
     domain = ("; then prompts in the five benchmark domains' forms by `scripts/make_domain_prompts.py`\n"
               "  (multi-step word problems, LaTeX competition problems, stdlib stubs to complete, one-line\n"
               "  function tasks, open questions; none of the sets' items)") if args.domain else ""
@@ -217,7 +228,7 @@ shipped drafter was trained").
 - Shipped: Linear weights quantized to {args.bits} bits (group {args.group_size}){", selector codebooks in fp16" if drafter.version == 2 else ""}; {size / 1e6:.1f} MB.
   On a CPU without Metal the loader dequantizes them to fp32 (faster there).
 
-Learning curve (training batches, means over each twelfth of all phases' steps):
+Learning curve (training batches, means over windows of a twelfth of all steps, each within one phase):
 
 {curve}
 """)
