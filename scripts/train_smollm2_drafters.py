@@ -232,6 +232,11 @@ Learning curve (training batches, means over windows of a twelfth of all steps, 
 
 {curve}
 """)
+    if args.eval:  # the paper-style tables, as `dflash2-mlx eval` wrote them
+        report = Path(args.eval, "report.md").read_text().split("\n", 1)[1].replace("\n## ", "\n### ")
+        with open(dest / "README.md", "a") as f:
+            f.write(f"\n## Evaluation on the benchmark sets\n\nHeld-out prompts of the five sets, this drafter "
+                    f"against others (`{args.eval_command}`):\n{report}")
     n_params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
     print(f"{dest}: {size / 1e6:.2f} MB ({n_params} stored values)")
 
@@ -332,6 +337,10 @@ def main():
     s.add_argument("--domain", action="store_true", help="The data ends with make_domain_prompts.py's prompts.")
     s.add_argument("--previous", action="append", default=[],
                    help="Earlier training phases of this drafter (run dirs), for its README.")
+    s.add_argument("--eval", default=None,
+                   help="A `dflash2-mlx eval` report directory whose tables go into the README.")
+    s.add_argument("--eval-command", default="dflash2-mlx eval",
+                   help="The command that made --eval, quoted in the README.")
     c = sub.add_parser("check")
     c.add_argument("data")
     c.add_argument("drafters", nargs="+")
