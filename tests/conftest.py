@@ -1,0 +1,21 @@
+import os
+
+import pytest
+
+from dflash2_mlx.smollm2 import MODEL_DIR, cache_home
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_home(tmp_path_factory):
+    """$DFLASH2_MLX_HOME is this test session's own directory (for the CLI and servers the
+    tests start, too): cost models and acceptance histories learned by an earlier run must
+    not steer a test, and the tests' tiny pairs leave no files in the user's cache.  The
+    built-in model, once converted there, is linked in rather than converted again."""
+    real, session = cache_home(), tmp_path_factory.mktemp("dflash2_mlx_home")
+    for name in (MODEL_DIR, "gguf"):
+        if (real / name).exists():
+            (session / name).symlink_to(real / name)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("DFLASH2_MLX_HOME", str(session))
+    yield
+    patch.undo()
