@@ -1,6 +1,7 @@
 """Where a DFlash cycle's time goes: a target pass over 1 and over b rows, the drafter
-pass, the propose step, and what is left of a real cycle (bookkeeping: rollback, draft
-context, history, host syncs), all measured on the pair at hand at one context length."""
+pass, the propose step, and what is left of a real cycle (bookkeeping: rollback, the draft
+context's append, history, the accept rule's log-softmax, host syncs), all measured on the
+pair at hand at one context length."""
 
 import statistics
 import time
@@ -47,10 +48,18 @@ def cycle_breakdown(model, drafter, prompt_ids, block_size: int = 5, repeats: in
     hidden = drafter(block, draft_cache)
     mx.eval(hidden)
     greedy = SamplingParams()
+
+    def append(rows=2):  # a cycle commits tau rows; ~2 on this pair
+        drafter.append_context(feats[:, -rows:], draft_cache)
+        mx.eval([c.state for c in draft_cache])
+        for c in draft_cache:
+            c.trim(rows)
+
     out = {
         "target_1": _ms(target_pass(1), repeats),
         f"target_{block_size}": _ms(target_pass(block_size), repeats),
         "drafter": _ms(lambda: mx.eval(drafter(block, draft_cache)), repeats),
+        "append": _ms(append, repeats),
         "propose": _ms(lambda: mx.eval(propose(drafter, hidden, mx.array(prompt_ids[-1]), greedy)[0]), repeats),
     }
     # A real cycle: generation at a fixed block size, timed after the first token; the
@@ -78,4 +87,5 @@ def format_breakdown(b: dict, block_size: int = 5) -> str:
             f"drafter {b['drafter']:.1f} ms + propose {b['propose']:.1f} ms = "
             f"{b['draft_share']:.2f}x a 1-row pass; cycle {b['cycle']:.1f} ms "
             f"({b['cycle_vs_plain']:.2f}x a plain step), bookkeeping {b['bookkeeping']:.1f} ms "
-            f"({100 * b['bookkeeping_share']:.1f}% of a cycle)")
+            f"({100 * b['bookkeeping_share']:.1f}% of a cycle; the draft context's append of 2 rows "
+            f"alone {b['append']:.1f} ms)")
