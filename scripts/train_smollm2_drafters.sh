@@ -77,9 +77,34 @@ OPENBLAS_NUM_THREADS=1 python "$T" train --version 2 data-all5.jsonl features.sa
     --batch-size 8 --max-anchors 32 --max-len 448 --seed 5 --val-records 64 --val-every 50 --save-every 25 \
     --min-block-size 3 --distill 1 --sliding-window 64 > train-s5.log 2>&1
 
-# 7. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package, and compare
-#    the shipped copies' offline tau with the fp32 runs.
+# 7. 1024 more prompts of the same maker (its first 2048 with seed 1: the first 1280 are
+#    prompts-d.jsonl byte for byte), their responses (191k tokens: ~40 min shared) and
+#    features (~13 min), then run-s5 continued on all records with the last 64 of the newest
+#    held out (600 steps at lr 1e-3, both BLAS threads on an otherwise quiet CPU).
+python "$HERE/make_domain_prompts.py" prompts-d2048.jsonl --n 2048 --seed 1
+[[ -f data-d2048.jsonl ]] || cp data-d.jsonl data-d2048.jsonl
+dflash2-mlx train --data-only --prompts prompts-d2048.jsonl --data data-d2048.jsonl --out run-data-d \
+    --prompt-limit 2048 --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
+tail -n +1025 data-d2048.jsonl > data-d2.jsonl
+[[ -f features-d2.safetensors ]] || python "$T" features data-d2.jsonl features-d2.safetensors --max-len 448 --batch 8
+cat data.jsonl data-d.jsonl data-d2.jsonl > data-all6.jsonl
+python "$T" train --version 2 data-all6.jsonl features.safetensors \
+    --more-features features-d.safetensors --more-features features-d2.safetensors run-s6 --init run-s5/final \
+    --steps 600 --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 6 --val-records 64 --val-every 50 \
+    --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 > train-s6.log 2>&1
+
+# 8. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
+#    evaluation on the five sets in its README, and compare the shipped copies' offline tau
+#    with the fp32 runs.
 DEST="$HERE/../dflash2_mlx/drafters"
-python "$T" ship run-s5/final "$DEST/smollm2-135m-dflash2" --bits 8 --data data-all5.jsonl --previous run-s4/final --domain
+B="$HERE/../dflash2_mlx/bench_data"
+SETS=(-b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" -b "$B/mt_bench.jsonl")
 python "$T" ship run-v1/final "$DEST/smollm2-135m-dflash1" --bits 8 --data data-first.jsonl
-python "$T" check data-all5.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s5/final "$DEST/smollm2-135m-dflash2"
+SHIP=(--bits 8 --data data-all6.jsonl --previous run-s4/final --previous run-s5/final --domain)
+python "$T" ship run-s6/final shipped-s6 "${SHIP[@]}"
+python "$T" ship run-s5/final shipped-s5 --bits 8 --data data-all5.jsonl --previous run-s4/final --domain
+dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s5 -d this=shipped-s6 "${SETS[@]}" \
+    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s6
+python "$T" ship run-s6/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s6 \
+    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s5 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
+python "$T" check data-all6.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s6/final "$DEST/smollm2-135m-dflash2"
