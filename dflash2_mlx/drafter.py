@@ -278,8 +278,7 @@ def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
     if drafter.version == 1:
         if params.greedy:
             return drafter.token_ids(mx.argmax(logits, axis=-1)), None
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        q = sampling.probs(logprobs, params)
+        q = sampling.probs(sampling.log_softmax(logits), params)
         return drafter.token_ids(mx.random.categorical(mx.log(q))), drafter.full_rows(q)
     uniforms = None if params.greedy else mx.random.uniform(shape=(h.shape[0],))
     cand, path, rows = drafter.candidate_selector(logits, h, anchor, params.temp, uniforms,

@@ -104,9 +104,7 @@ def verify_greedy(logits: mx.array, draft: mx.array):
     first of them wins.  So the raw argmax is trusted only where it agrees with the
     log-probabilities' argmax on every row computed; otherwise every row is computed."""
     top = mx.argmax(logits, axis=-1)
-    n = draft.shape[0]
-    match = (draft == top[:n]).tolist()
-    accepted = next((i for i, m in enumerate(match) if not m), n)
+    accepted, _ = accept_greedy(top, draft)
     logprobs = log_softmax(logits[: accepted + 1])
     chosen = mx.argmax(logprobs, axis=-1)
     if mx.array_equal(chosen, top[: accepted + 1]).item():

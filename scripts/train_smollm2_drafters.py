@@ -201,12 +201,17 @@ def ship(args):
         start += len(hs)
     curve = "\n".join(curve)
     held_note = ""
-    if tcfg.get("val_records"):
-        held_note = (f";\n  the last {tcfg['val_records']} held out, never trained on (the held-out columns below)")
-        if many:
-            held_note = (f";\n  each phase held out the last {tcfg['val_records']} records of its own data (the held-out columns\n"
-                         "  below); a later phase's data adds newer records after them, so it trains on an earlier\n"
-                         "  phase's held-out records and its held-out figures are on a new set")
+    if tcfg.get("val_records") and many:
+        held_note = (f";\n  each phase held out the last {tcfg['val_records']} records of its own data (the held-out columns\n"
+                     "  below); a later phase's data adds newer records after them, so it trains on an earlier\n"
+                     "  phase's held-out records and its held-out figures are on a new set")
+    elif tcfg.get("val_records"):
+        held_note = f";\n  the last {tcfg['val_records']} held out, never trained on (the held-out columns below)"
+    evaluation = ""
+    if args.eval:  # the paper-style tables, as `dflash2-mlx eval` wrote them
+        report = Path(args.eval, "report.md").read_text().split("\n", 1)[1].replace("\n## ", "\n### ")
+        evaluation = (f"\n## Evaluation on the benchmark sets\n\nHeld-out prompts of the five sets, this drafter "
+                      f"against others (`{args.eval_command}`):\n{report}")
     domain = ("; then prompts in the five benchmark domains' forms by `scripts/make_domain_prompts.py`\n"
               "  (multi-step word problems, LaTeX competition problems, stdlib stubs to complete, one-line\n"
               "  function tasks, open questions; none of the sets' items)") if args.domain else ""
@@ -231,12 +236,7 @@ shipped drafter was trained").
 Learning curve (training batches, means over windows of a twelfth of all steps, each within one phase):
 
 {curve}
-""")
-    if args.eval:  # the paper-style tables, as `dflash2-mlx eval` wrote them
-        report = Path(args.eval, "report.md").read_text().split("\n", 1)[1].replace("\n## ", "\n### ")
-        with open(dest / "README.md", "a") as f:
-            f.write(f"\n## Evaluation on the benchmark sets\n\nHeld-out prompts of the five sets, this drafter "
-                    f"against others (`{args.eval_command}`):\n{report}")
+{evaluation}""")
     n_params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
     print(f"{dest}: {size / 1e6:.2f} MB ({n_params} stored values)")
 
