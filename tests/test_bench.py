@@ -6,12 +6,16 @@ import os
 import subprocess
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 from typer.testing import CliRunner
 
 from dflash2_mlx import bench as Bm
 from dflash2_mlx.loading import load_drafter
+from dflash2_mlx.profile import _Timed, timed_cycles
+from dflash2_mlx.speculative import speculative_generate_step
+from dflash2_mlx.target import attach
 from tiny_models import make_drafter, make_target
 
 
@@ -182,3 +186,22 @@ def test_sweep_rows_and_adaptive_vs_best_fixed(tiny):
     assert f"the best fixed block size ({best}" in Bm.markdown(report)
     with pytest.raises(ValueError, match="sweep block size 9 is impossible"):
         Bm.dflash_runs(drafters, 4, True, sweep=(9,))
+
+
+def test_timed_cycles_split_real_cycles_without_changing_them(tiny):
+    """The bookkeeping figure: real generations with each target and drafter pass timed
+    as it finishes; the timing wrappers leave the tokens as they are."""
+    root, model, tok = tiny
+    drafter = load_drafter(str(root / "v2"))
+    target = attach(model, drafter)
+    ids = mx.array(tok.encode("the cat sat on the mat"))
+    t = timed_cycles(target, drafter, ids, block_size=4, tokens=12, runs=2)
+    assert all(t[k] > 0 for k in ("append", "drafter", "propose", "verify", "total"))
+    assert 0 <= t["bookkeeping"] < t["total"]
+    assert t["append"] <= t["bookkeeping"]  # the append is part of it
+    plain = [x[0] for x in speculative_generate_step(ids, target, drafter, max_tokens=12, block_size=4)]
+    times = dict.fromkeys(("a", "b", "c", "d"), 0.0)
+    wrapped = [x[0] for x in speculative_generate_step(
+        ids, _Timed(target, times, "a", "b", lambda i, c: i), _Timed(drafter, times, "c", "d", lambda i, c: i),
+        max_tokens=12, block_size=4)]
+    assert wrapped == plain and times["b"] > 0 and times["d"] > 0
