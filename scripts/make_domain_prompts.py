@@ -19,6 +19,7 @@ import ast
 import json
 import random
 
+from dflash2_mlx.train.contamination import contaminated
 from make_smollm2_prompts import ITEMS, NAMES, TOPICS, stdlib_modules
 
 JOBS = [("baker", "loaves"), ("farmer", "baskets of tomatoes"), ("florist", "bouquets"),
@@ -188,7 +189,7 @@ def main():
         while written < args.n and i < 20 * args.n:  # skip repeats: a repeated prompt teaches nothing new
             text = kinds[written % len(kinds)](i)
             i += 1
-            if text in seen:
+            if text in seen or contaminated(text):  # a few templates can write a benchmark item
                 continue
             seen.add(text)
             f.write(json.dumps({"text": text}) + "\n")

@@ -122,6 +122,23 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
     return path
 
 
+def decontaminated(path, tokenizer, out: Path) -> str:
+    """``path``, or a copy in ``out`` without the records whose prompt shares 13 words in a
+    row with a benchmark prompt (the domain maker wrote a few MBPP items word for word)."""
+    from dflash2_mlx.train.contamination import contaminated
+
+    lines = [line for line in open(path).read().splitlines() if line.strip()]
+    keep = [line for line in lines if not contaminated(tokenizer.decode(json.loads(line)["prompt_ids"]))]
+    if len(keep) == len(lines):
+        return str(path)
+    out.mkdir(parents=True, exist_ok=True)
+    clean = out / "data-clean.jsonl"
+    clean.write_text("".join(line + "\n" for line in keep))
+    print(f"{len(lines) - len(keep)} records dropped (a prompt shares 13 words in a row with a "
+          f"benchmark prompt); training on {clean}", flush=True)
+    return str(clean)
+
+
 def train(args):
     from dflash2_mlx.train import TrainConfig, train_drafter
 
@@ -134,10 +151,11 @@ def train(args):
                       stop_after=args.stop_after, val_records=args.val_records,
                       val_every=args.val_every)
     target, model, tokenizer = _target()
+    data = decontaminated(args.data, tokenizer, Path(args.out))
     init = args.init or initial_drafter(model, tokenizer, args.version, args.seed,
-                                        Path(f"{args.out}-init"), args.data, args.draft_vocab,
+                                        Path(f"{args.out}-init"), data, args.draft_vocab,
                                         args.sliding_window, args.warm_layers)
-    final = train_drafter(target, args.out, args.data, init=str(init), version=args.version,
+    final = train_drafter(target, args.out, data, init=str(init), version=args.version,
                           config=cfg, **SHAPE)
     print(f"drafter: {final}")
 

@@ -1,0 +1,33 @@
+"""Keep the benchmark sets out of training data: a text that shares 13 consecutive words
+with any prompt of the five shipped benchmark sets (the GPT-3 paper's contamination test) is
+dropped.  Word 13-grams catch a copied item but not a shared form ("Write a python function
+to find the ..."), which is what the domain-shaped prompts are meant to share."""
+
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import FrozenSet, Iterable
+
+N = 13
+BENCH = Path(__file__).resolve().parent.parent / "bench_data"
+
+
+def ngrams(text: str, n: int = N) -> set:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+@lru_cache(maxsize=None)
+def benchmark_ngrams(paths: Iterable[Path] = ()) -> FrozenSet[tuple]:
+    """Every word 13-gram of the prompts in ``paths`` (default: the shipped benchmark sets)."""
+    from .data import read_prompts
+
+    out = set()
+    for path in paths or sorted(BENCH.glob("*.jsonl")):
+        for _, p in read_prompts(path):
+            out |= ngrams(p if isinstance(p, str) else " ".join(str(m["content"]) for m in p))
+    return frozenset(out)
+
+
+def contaminated(text: str) -> bool:
+    return not ngrams(text).isdisjoint(benchmark_ngrams())
