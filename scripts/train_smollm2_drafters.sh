@@ -93,18 +93,37 @@ python "$T" train --version 2 data-all6.jsonl features.safetensors \
     --steps 600 --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 6 --val-records 64 --val-every 50 \
     --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 > train-s6.log 2>&1
 
-# 8. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
+# 8. 1024 more prompts of the same maker (its first 3072 with seed 1: the first 2048 are
+#    prompts-d2048.jsonl byte for byte), their responses (194k tokens: ~45 min, partly shared)
+#    and features (~15 min), then run-s6 continued on all records with the last 64 of the
+#    newest held out (700 steps at lr 1e-3, both BLAS threads on an otherwise quiet CPU).
+#    The train step drops the records whose prompt shares 13 words in a row with a benchmark
+#    prompt (two here: see train/contamination.py).
+python "$HERE/make_domain_prompts.py" prompts-d3072.jsonl --n 3072 --seed 1
+[[ -f data-d3072.jsonl ]] || cp data-d2048.jsonl data-d3072.jsonl
+dflash2-mlx train --data-only --prompts prompts-d3072.jsonl --data data-d3072.jsonl --out run-data-d \
+    --prompt-limit 3072 --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
+tail -n +2049 data-d3072.jsonl > data-d3.jsonl
+[[ -f features-d3.safetensors ]] || python "$T" features data-d3.jsonl features-d3.safetensors --max-len 448 --batch 8
+cat data.jsonl data-d.jsonl data-d2.jsonl data-d3.jsonl > data-all7.jsonl
+python "$T" train --version 2 data-all7.jsonl features.safetensors \
+    --more-features features-d.safetensors --more-features features-d2.safetensors \
+    --more-features features-d3.safetensors run-s7 --init run-s6/final \
+    --steps 700 --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 7 --val-records 64 --val-every 50 \
+    --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 > train-s7.log 2>&1
+
+# 9. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
 #    evaluation on the five sets in its README, and compare the shipped copies' offline tau
 #    with the fp32 runs.
 DEST="$HERE/../dflash2_mlx/drafters"
 B="$HERE/../dflash2_mlx/bench_data"
 SETS=(-b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" -b "$B/mt_bench.jsonl")
 python "$T" ship run-v1/final "$DEST/smollm2-135m-dflash1" --bits 8 --data data-first.jsonl
-SHIP=(--bits 8 --data data-all6.jsonl --previous run-s4/final --previous run-s5/final --domain)
-python "$T" ship run-s6/final shipped-s6 "${SHIP[@]}"
-python "$T" ship run-s5/final shipped-s5 --bits 8 --data data-all5.jsonl --previous run-s4/final --domain
-dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s5 -d this=shipped-s6 "${SETS[@]}" \
-    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s6
-python "$T" ship run-s6/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s6 \
-    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s5 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
-python "$T" check data-all6.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s6/final "$DEST/smollm2-135m-dflash2"
+SHIP=(--bits 8 --data run-s7/data-clean.jsonl --previous run-s4/final --previous run-s5/final --previous run-s6/final --domain)
+python "$T" ship run-s7/final shipped-s7 "${SHIP[@]}"
+python "$T" ship run-s6/final shipped-s6 --bits 8 --data data-all6.jsonl --previous run-s4/final --previous run-s5/final --domain
+dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s6 -d this=shipped-s7 "${SETS[@]}" \
+    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s7
+python "$T" ship run-s7/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s7 \
+    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s6 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
+python "$T" check run-s7/data-clean.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s7/final "$DEST/smollm2-135m-dflash2"
