@@ -232,7 +232,8 @@ def ship(args):
                       f"against others (`{args.eval_command}`):\n{report}")
     domain = ("; then prompts in the five benchmark domains' forms by `scripts/make_domain_prompts.py`\n"
               "  (multi-step word problems, LaTeX competition problems, stdlib stubs to complete, one-line\n"
-              "  function tasks, open questions; none of the sets' items)") if args.domain else ""
+              "  function tasks, open questions; the forms of the sets, not their items: phases 2 and 3 trained on one\n"
+              "  MBPP item the maker had written word for word, since caught by a 13-word contamination check)") if args.domain else ""
     (dest / "README.md").write_text(f"""# {dest.name}: {name} drafter for SmolLM2-135M-Instruct
 
 Trained with `scripts/train_smollm2_drafters.sh` (see the repository README, "How the
