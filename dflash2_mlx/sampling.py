@@ -93,19 +93,32 @@ def accept_greedy(target_tokens: mx.array, draft: mx.array):
     return accepted, int(target_tokens[accepted].item())
 
 
+def clear_winners(rows: mx.array, top: mx.array) -> bool:
+    """Whether every row's largest value beats its runner-up by more than subtracting the
+    log-sum can round away.  That subtraction keeps the order of any two values and can
+    only round them into a tie; log-probabilities of the two largest lie within log(V) of 0,
+    so each is off by at most half an ulp of 16 (V < 8.8M): a margin of 64 eps is safe."""
+    best = mx.take_along_axis(rows, top[:, None], axis=-1)
+    others = mx.put_along_axis(rows, top[:, None], mx.array(-mx.inf, dtype=rows.dtype), axis=-1)
+    margin = 64 * mx.finfo(rows.dtype).eps
+    return bool(mx.all(best - mx.max(others, axis=-1, keepdims=True) > margin).item())
+
+
 def verify_greedy(logits: mx.array, draft: mx.array):
     """Greedy acceptance of ``draft`` [n] against processed target rows ``logits`` [n + 1, V]:
     (accepted, bonus, logprobs of the rows up to the bonus's).
 
-    A log-softmax costs ~0.6 ms a row here (an exp per vocabulary entry) and the rows after
-    the first rejection are never emitted, so only the emitted rows get one.  Acceptance
-    still follows the argmax of the log-probabilities, as a plain mlx-lm step does:
-    subtracting the log-sum can round two near-equal logits to one value, and then the
-    first of them wins.  So the raw argmax is trusted only where it agrees with the
-    log-probabilities' argmax on every row computed; otherwise every row is computed."""
+    Acceptance follows the argmax of the log-probabilities, as a plain mlx-lm step does.
+    A log-softmax costs ~0.6 ms a row here (an exp per vocabulary entry), so it is left lazy
+    (computed only if a caller reads it) wherever the raw logits' argmax is sure to be the
+    same (``clear_winners``); where a row's two largest logits are too close, the emitted
+    rows' log-probabilities decide, and where those disagree with the raw argmax every row
+    is computed."""
     top = mx.argmax(logits, axis=-1)
     accepted, _ = accept_greedy(top, draft)
     logprobs = log_softmax(logits[: accepted + 1])
+    if clear_winners(logits[: accepted + 1], top[: accepted + 1]):
+        return accepted, int(top[accepted].item()), logprobs
     chosen = mx.argmax(logprobs, axis=-1)
     if mx.array_equal(chosen, top[: accepted + 1]).item():
         return accepted, int(chosen[accepted].item()), logprobs

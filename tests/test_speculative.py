@@ -264,3 +264,16 @@ def test_chunked_prefill_parity(pairs, family):
     out = [r.token for r in d.stream_generate(model, tok, prompt, drafters[2], max_tokens=16,
                                               block_size=4, prefill_step_size=5)]
     assert out == ref[: len(out)]
+
+
+def test_clear_winners_margin():
+    """Rows whose two largest logits are far apart skip the log-softmax; rows within the
+    rounding margin (one ulp, or a few eps) do not."""
+    from dflash2_mlx.sampling import clear_winners
+    far = mx.array([[0.0, 3.0, 1.0], [2.0, -1.0, 1.9]])
+    assert clear_winners(far, mx.argmax(far, axis=-1))
+    one = np.float32(1.0)
+    near = mx.array(np.array([[one, np.nextafter(one, np.float32(2.0)), 0.0]], dtype=np.float32))
+    assert not clear_winners(near, mx.argmax(near, axis=-1))
+    close = mx.array([[5.0, 5.0 + 2e-6, 0.0]])
+    assert not clear_winners(close, mx.argmax(close, axis=-1))
