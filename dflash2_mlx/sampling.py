@@ -96,8 +96,9 @@ def accept_greedy(target_tokens: mx.array, draft: mx.array):
 def clear_winners(rows: mx.array, top: mx.array) -> bool:
     """Whether every row's largest value beats its runner-up by more than subtracting the
     log-sum can round away.  That subtraction keeps the order of any two values and can
-    only round them into a tie; log-probabilities of the two largest lie within log(V) of 0,
-    so each is off by at most half an ulp of 16 (V < 8.8M): a margin of 64 eps is safe."""
+    only round them into a tie.  Each result is off by at most half an ulp of its size: the
+    largest's log-probability is within log(V) < 16 of 0 (under 8 eps off), the runner-up's
+    within 16 + gap (under 8 eps + gap * eps / 2 off), so a gap above 64 eps keeps them apart."""
     best = mx.take_along_axis(rows, top[:, None], axis=-1)
     others = mx.put_along_axis(rows, top[:, None], mx.array(-mx.inf, dtype=rows.dtype), axis=-1)
     margin = 64 * mx.finfo(rows.dtype).eps

@@ -52,7 +52,15 @@ def main():
     turn = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     prefix = turn[: turn.index(marker)]
     out = Path(args.out)
-    kept = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    kept = []
+    for line in out.read_text().splitlines() if out.exists() else []:
+        try:
+            kept.append(json.loads(line))
+        except json.JSONDecodeError:  # torn by an interruption: the last group reruns (same seed)
+            kept = [r for r in kept if r["group"] != kept[-1]["group"]] if kept else []
+            break
+    if out.exists():
+        out.write_text("".join(json.dumps(r) + "\n" for r in kept))
     seen = {r["text"] for r in kept}
     group = max((r["group"] for r in kept), default=-1) + 1
     sampler = make_sampler(1.0, top_p=0.95)
