@@ -117,8 +117,9 @@ def verify_greedy(logits: mx.array, draft: mx.array):
     is computed."""
     top = mx.argmax(logits, axis=-1)
     accepted, _ = accept_greedy(top, draft)
-    logprobs = log_softmax(logits[: accepted + 1])
-    if clear_winners(logits[: accepted + 1], top[: accepted + 1]):
+    rows = logits[: accepted + 1]
+    logprobs = log_softmax(rows)
+    if clear_winners(rows, top[: accepted + 1]):
         return accepted, int(top[accepted].item()), logprobs
     chosen = mx.argmax(logprobs, axis=-1)
     if mx.array_equal(chosen, top[: accepted + 1]).item():

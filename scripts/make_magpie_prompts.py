@@ -58,9 +58,8 @@ def main():
             kept.append(json.loads(line))
         except json.JSONDecodeError:  # torn by an interruption: the last group reruns (same seed)
             kept = [r for r in kept if r["group"] != kept[-1]["group"]] if kept else []
+            out.write_text("".join(json.dumps(r) + "\n" for r in kept))
             break
-    if out.exists():
-        out.write_text("".join(json.dumps(r) + "\n" for r in kept))
     seen = {r["text"] for r in kept}
     group = max((r["group"] for r in kept), default=-1) + 1
     sampler = make_sampler(1.0, top_p=0.95)

@@ -24,6 +24,20 @@ mkdir -p "$WORK"
 cd "$WORK"
 T="$HERE/train_smollm2_drafters.py"
 
+# A round of domain-shaped data (steps 7 and 8): the maker's first $1 prompts (seed 1, so a
+# smaller --n is a prefix and the $2 responses already made are kept), answered by the
+# target; the newest 1024 records become data-d$3.jsonl, with their features.
+domain_round() {
+    local n=$1 prev=$2 k=$3
+    python "$HERE/make_domain_prompts.py" "prompts-d$n.jsonl" --n "$n" --seed 1
+    [[ -f "data-d$n.jsonl" ]] || cp "$prev" "data-d$n.jsonl"
+    dflash2-mlx train --data-only --prompts "prompts-d$n.jsonl" --data "data-d$n.jsonl" --out run-data-d \
+        --prompt-limit "$n" --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
+    tail -n +$((n - 1023)) "data-d$n.jsonl" > "data-d$k.jsonl"
+    [[ -f "features-d$k.safetensors" ]] ||
+        python "$T" features "data-d$k.jsonl" "features-d$k.safetensors" --max-len 448 --batch 8
+}
+
 # 1. Prompts from text on this machine (CPython stdlib docstrings, coding tasks phrased from
 #    them, templated arithmetic/algebra word problems, short writing tasks). Not from the
 #    benchmark sets. (2 s)
@@ -81,12 +95,7 @@ OPENBLAS_NUM_THREADS=1 python "$T" train --version 2 data-all5.jsonl features.sa
 #    prompts-d.jsonl byte for byte), their responses (191k tokens: ~40 min shared) and
 #    features (~13 min), then run-s5 continued on all records with the last 64 of the newest
 #    held out (600 steps at lr 1e-3, both BLAS threads on an otherwise quiet CPU).
-python "$HERE/make_domain_prompts.py" prompts-d2048.jsonl --n 2048 --seed 1
-[[ -f data-d2048.jsonl ]] || cp data-d.jsonl data-d2048.jsonl
-dflash2-mlx train --data-only --prompts prompts-d2048.jsonl --data data-d2048.jsonl --out run-data-d \
-    --prompt-limit 2048 --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
-tail -n +1025 data-d2048.jsonl > data-d2.jsonl
-[[ -f features-d2.safetensors ]] || python "$T" features data-d2.jsonl features-d2.safetensors --max-len 448 --batch 8
+domain_round 2048 data-d.jsonl 2
 cat data.jsonl data-d.jsonl data-d2.jsonl > data-all6.jsonl
 python "$T" train --version 2 data-all6.jsonl features.safetensors \
     --more-features features-d.safetensors --more-features features-d2.safetensors run-s6 --init run-s5/final \
@@ -99,12 +108,7 @@ python "$T" train --version 2 data-all6.jsonl features.safetensors \
 #    newest held out (700 steps at lr 1e-3, both BLAS threads on an otherwise quiet CPU).
 #    The train step drops the records whose prompt shares 13 words in a row with a benchmark
 #    prompt (two here: see train/contamination.py).
-python "$HERE/make_domain_prompts.py" prompts-d3072.jsonl --n 3072 --seed 1
-[[ -f data-d3072.jsonl ]] || cp data-d2048.jsonl data-d3072.jsonl
-dflash2-mlx train --data-only --prompts prompts-d3072.jsonl --data data-d3072.jsonl --out run-data-d \
-    --prompt-limit 3072 --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
-tail -n +2049 data-d3072.jsonl > data-d3.jsonl
-[[ -f features-d3.safetensors ]] || python "$T" features data-d3.jsonl features-d3.safetensors --max-len 448 --batch 8
+domain_round 3072 data-d2048.jsonl 3
 cat data.jsonl data-d.jsonl data-d2.jsonl data-d3.jsonl > data-all7.jsonl
 python "$T" train --version 2 data-all7.jsonl features.safetensors \
     --more-features features-d.safetensors --more-features features-d2.safetensors \

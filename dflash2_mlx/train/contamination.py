@@ -6,7 +6,7 @@ to find the ..."), which is what the domain-shaped prompts are meant to share.""
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import FrozenSet, Iterable
+from typing import FrozenSet
 
 N = 13
 BENCH = Path(__file__).resolve().parent.parent / "bench_data"
@@ -18,12 +18,12 @@ def ngrams(text: str, n: int = N) -> set:
 
 
 @lru_cache(maxsize=None)
-def benchmark_ngrams(paths: Iterable[Path] = ()) -> FrozenSet[tuple]:
-    """Every word 13-gram of the prompts in ``paths`` (default: the shipped benchmark sets)."""
+def benchmark_ngrams() -> FrozenSet[tuple]:
+    """Every word 13-gram of the prompts of the shipped benchmark sets."""
     from .data import read_prompts
 
     out = set()
-    for path in paths or sorted(BENCH.glob("*.jsonl")):
+    for path in sorted(BENCH.glob("*.jsonl")):
         for _, p in read_prompts(path):
             out |= ngrams(p if isinstance(p, str) else " ".join(str(m["content"]) for m in p))
     return frozenset(out)
