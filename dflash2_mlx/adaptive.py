@@ -2,7 +2,7 @@
 
 - ``CostModel``: the seconds of a target pass over b rows and of a drafter step with block
   b, each as ``base + slope * context``; measured once per (target, drafter, machine) by
-  ``calibrate`` (about a second) and cached on disk by ``cost_model``.
+  ``calibrate`` (about three seconds) and cached on disk by ``cost_model``.
 - ``Acceptance``: per-position conditional acceptance rates of the request at hand,
   decayed so they follow it, seeded from this pair's history on this machine.
 - ``best_block``: argmax over b in 1..largest of E[tokens | b] / cost(b, context); b = 1
@@ -38,7 +38,7 @@ DECAY = 0.95  # evidence kept per drafted cycle
 PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backing off, at most
 PROBE_BUDGET = 0.015  # a failed probe's extra cost, spread over the wait, is at most this share
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
-CALIBRATION = 2  # bumped when calibrate() measures differently: older cost files are remeasured
+CALIBRATION = 3  # bumped when calibrate() measures differently: older cost files are remeasured
 
 
 # --- the cost model -------------------------------------------------------------------
@@ -104,12 +104,16 @@ def _timed(fn) -> float:
     return time.perf_counter() - tic
 
 
-def calibrate(target, drafter, budget_s: float = 1.5, rounds: Tuple[int, int] = (1, 4)) -> CostModel:
-    """Measure target passes over 1, 2 and B rows and drafter steps with blocks 2 and B
-    at a short context, 1 and B rows at a long one, and fit ``base + slope * context``
-    per block size (others are interpolated).  Each point keeps its fastest of 1 to 4
-    rounds (more while ``budget_s`` lasts), and a block never costs less than a smaller
-    one: a burst of other work on the machine cannot make a large block look cheap."""
+def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = (3, 8),
+              sizes: Optional[List[int]] = None) -> CostModel:
+    """Measure target passes over 1 row and each block of ``sizes`` (default 2 and B)
+    and drafter steps with those blocks at a short context, 1 and B rows at a long one,
+    and fit ``base + slope * context`` per block size (others are interpolated).  Each
+    point keeps its fastest of 3 to 8 rounds (more while ``budget_s`` lasts; one round
+    overprices a multi-row pass against plain steps by 10-25% on a 2-core CPU, which sends
+    adaptive decoding to plain steps where drafting pays), and a block
+    never costs less than a smaller one: a burst of other work on the machine cannot make
+    a large block look cheap."""
     from .drafter import propose
     from .sampling import SamplingParams
 
@@ -148,7 +152,7 @@ def calibrate(target, drafter, budget_s: float = 1.5, rounds: Tuple[int, int] = 
         for c in draft_cache:
             c.trim(1)
 
-    sizes = sorted({2, B})
+    sizes = sorted(set(sizes or []) | {2, B})
     points = ([(target_pass, b, short) for b in [1] + sizes] + [(target_pass, b, long) for b in {1, B}]
               + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
     target_pass(2, short)  # warm-up: one pass is enough (a plain chain is four)
@@ -391,14 +395,20 @@ def load_history(key: str, positions: int) -> Optional[Acceptance]:
     return hist if len(hist.reached) == positions and hist.reached[0] > 0 else None
 
 
-def save_history(key: str, acceptance: Acceptance, weight: float = 0.5):
-    """Fold a request's acceptance into the pair's history (older requests weigh less)."""
-    if not any(acceptance.reached):
-        return
-    old = load_history(key, len(acceptance.reached)) or Acceptance.empty(len(acceptance.reached))
-    _write(history_path(key), {
-        "reached": [weight * o + n for o, n in zip(old.reached, acceptance.reached)],
-        "accepted": [weight * o + n for o, n in zip(old.accepted, acceptance.accepted)]})
+def fold(old: Optional[Acceptance], new: Acceptance, weight: float = 0.5) -> Optional[Acceptance]:
+    """A pair's history with one more request's acceptance (older requests weigh less)."""
+    if not any(new.reached):
+        return old
+    old = old or Acceptance.empty(len(new.reached))
+    return Acceptance([weight * o + n for o, n in zip(old.reached, new.reached)],
+                      [weight * o + n for o, n in zip(old.accepted, new.accepted)])
+
+
+def save_history(key: str, acceptance: Acceptance):
+    """Fold a request's acceptance into the pair's history on disk."""
+    if any(acceptance.reached):
+        hist = fold(load_history(key, len(acceptance.reached)), acceptance)
+        _write(history_path(key), {"reached": hist.reached, "accepted": hist.accepted})
 
 
 def policy(target, drafter, block_size=AUTO, greedy: bool = True,

@@ -132,7 +132,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     if drafter is not None and verify_mode != "off":
         block_size = check_block_size(drafter, block_size)
         target = attach(model, drafter)
-        # "auto" measures the machine's costs on a pair's first request (about a second).
+        # "auto" measures the machine's costs on a pair's first request (about three seconds).
         # Sampling with a seed starts without the pair's history (same seed and costs, same
         # text); greedy text is the target's whatever the block sizes, so it always uses it.
         policy = adaptive.policy(

@@ -320,6 +320,8 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     files[0].write_text(json.dumps(stale))
     adaptive._costs.clear()
     assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again
+    extra = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1), sizes=[4])
+    assert set(extra.target) == {1, 2, 4, 8} and set(extra.drafter) == {2, 4, 8}
     other = pair["qwen3_5"]
     assert adaptive.cost_key(attach(other[0], other[2]), other[2]) != adaptive.cost_key(target, drafter)
 
@@ -338,6 +340,15 @@ def test_history_seeds_the_next_request(pair, tmp_path, monkeypatch):
     assert chosen.acceptance.rates()[0] < 0.2 and chosen.block_size(0) == 1 and chosen.fallback
     assert chosen.wait > 0  # a pair known to be weak here waits before its first probe
     assert adaptive.policy(target, drafter, greedy=True, costs=CPU, history=False).block_size(0) > 1
+
+
+def test_history_folds_older_requests_at_half_weight():
+    first, second = Acceptance([4.0, 2.0], [2.0, 1.0]), Acceptance([2.0, 0.0], [0.0, 0.0])
+    assert adaptive.fold(None, Acceptance.empty(2)) is None  # a request that never drafted
+    once = adaptive.fold(None, first)
+    assert (once.reached, once.accepted) == (first.reached, first.accepted)
+    twice = adaptive.fold(once, second)
+    assert (twice.reached, twice.accepted) == ([4.0, 1.0], [1.0, 0.5])
 
 
 def test_seeded_requests_use_the_history_only_when_greedy(pair, tmp_path, monkeypatch):
