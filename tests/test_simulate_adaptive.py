@@ -1,0 +1,57 @@
+"""The offline policy replay in scripts/simulate_adaptive.py: a cycle advances by what its
+acceptance table says, costs come from the cost model, and tables survive a round trip."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from dflash2_mlx import adaptive
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "simulate_adaptive.py"
+spec = importlib.util.spec_from_file_location("simulate_adaptive", SCRIPT)
+sim = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sim)
+
+# 10 ms a plain step, 15 ms a drafting cycle of any size; no context slope.
+COSTS = adaptive.CostModel({1: (0.010, 0.0), 2: (0.012, 0.0), 4: (0.012, 0.0)},
+                           {2: (0.003, 0.0), 4: (0.003, 0.0)})
+
+
+def table(accepted_at_every_position: int, length: int = 40, largest: int = 4):
+    return {b: np.full(length, min(accepted_at_every_position, b - 1)) for b in range(2, largest + 1)}
+
+
+def test_replay_advances_by_the_table_and_prices_each_cycle():
+    start = 10
+    n, seconds, used = sim.replay(adaptive.Fixed(1), table(3), start, start + 60, 17, COSTS, 0.0)
+    assert (n, used) == (17, {1: 16}) and np.isclose(seconds, 16 * 0.010)
+    # Block 4 with every draft accepted: 4 tokens a cycle after the prefill's one.
+    n, seconds, used = sim.replay(adaptive.Fixed(4), table(3), start, start + 60, 17, COSTS, 0.001)
+    assert (n, used) == (17, {4: 4}) and np.isclose(seconds, 4 * 0.016)
+    # Nothing accepted: one token a cycle, so drafting loses to plain steps.
+    n, seconds, used = sim.replay(adaptive.Fixed(4), table(0), start, start + 60, 9, COSTS, 0.0)
+    assert (n, used) == (9, {4: 8}) and seconds > 8 * 0.010
+
+
+def test_replay_steps_plainly_past_the_last_full_block():
+    n, _, used = sim.replay(adaptive.Fixed(4), table(3, length=2), 0, 100, 13, COSTS, 0.0)
+    assert n == 13 and used == {4: 1, 1: 8}  # the first cycle lands at 4, past the table
+
+
+def test_adaptive_drafts_where_the_table_pays_and_steps_plainly_where_it_does_not():
+    good = sim.run("", lambda h: adaptive.Adaptive(COSTS, 4, adaptive.Acceptance.empty(3)),
+                   [(table(3), 0, 100)], 33, COSTS, 0.0, True)
+    bad = sim.run("", lambda h: adaptive.Adaptive(COSTS, 4, adaptive.Acceptance.empty(3)),
+                  [(table(0), 0, 100)], 33, COSTS, 0.0, True)
+    assert good[2].get(1, 0) == 0 and good[1] > 2 / 0.010  # more than twice plain speed
+    assert bad[2][1] > 20  # mostly plain steps after the first few failed drafts
+
+
+def test_tables_round_trip(tmp_path):
+    tables = [(table(2, 7), 3, 12), (table(1, 5), 4, 11)]
+    sim.save_tables(tmp_path / "t.npz", tables)
+    back = sim.load_tables(tmp_path / "t.npz")
+    assert [(s, n) for _, s, n in back] == [(3, 12), (4, 11)]
+    for (a, _, _), (b, _, _) in zip(tables, back):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
