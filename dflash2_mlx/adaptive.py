@@ -109,11 +109,11 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     """Measure target passes over 1 row and each block of ``sizes`` (default 2 and B)
     and drafter steps with those blocks at a short context, 1 and B rows at a long one,
     and fit ``base + slope * context`` per block size (others are interpolated).  Each
-    point keeps its fastest of 3 to 8 rounds (more while ``budget_s`` lasts; one round
+    point keeps its fastest of 3 to 8 rounds (more while ``budget_s`` lasts: one round
     overprices a multi-row pass against plain steps by 10-25% on a 2-core CPU, which sends
-    adaptive decoding to plain steps where drafting pays), and a block
-    never costs less than a smaller one: a burst of other work on the machine cannot make
-    a large block look cheap."""
+    adaptive decoding to plain steps where drafting pays), and a block never costs less
+    than a smaller one: a burst of other work on the machine cannot make a large block
+    look cheap."""
     from .drafter import propose
     from .sampling import SamplingParams
 
