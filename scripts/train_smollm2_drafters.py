@@ -234,6 +234,10 @@ def ship(args):
               "  (multi-step word problems, LaTeX competition problems, stdlib stubs to complete, one-line\n"
               "  function tasks, open questions; the forms of the sets, not their items: phases 2 and 3 trained on one\n"
               "  MBPP item the maker had written word for word, since caught by a 13-word contamination check)") if args.domain else ""
+    if args.magpie:
+        domain += ("; then prompts the target wrote itself by `scripts/make_magpie_prompts.py` (Magpie: the chat\n"
+                   "  template up to a user turn, sampled at T=1; one in five free-form, the rest from openers of the\n"
+                   "  five forms; none sharing 13 words in a row with a benchmark prompt)")
     (dest / "README.md").write_text(f"""# {dest.name}: {name} drafter for SmolLM2-135M-Instruct
 
 Trained with `scripts/train_smollm2_drafters.sh` (see the repository README, "How the
@@ -354,6 +358,7 @@ def main():
     s.add_argument("--group-size", type=int, default=64)
     s.add_argument("--data", default=None)
     s.add_argument("--domain", action="store_true", help="The data ends with make_domain_prompts.py's prompts.")
+    s.add_argument("--magpie", action="store_true", help="The data ends with make_magpie_prompts.py's prompts.")
     s.add_argument("--previous", action="append", default=[],
                    help="Earlier training phases of this drafter (run dirs), for its README.")
     s.add_argument("--eval", default=None,

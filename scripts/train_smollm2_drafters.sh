@@ -116,18 +116,38 @@ python "$T" train --version 2 data-all7.jsonl features.safetensors \
     --steps 700 --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 7 --val-records 64 --val-every 50 \
     --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 > train-s7.log 2>&1
 
-# 9. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
+# 9. 1024 prompts the target writes itself (make_magpie_prompts.py, seed 1: the chat template
+#    up to a user turn, sampled at T=1, top-p 0.95; one in five free-form, the others from
+#    openers of the five forms; ~38 min, partly shared), their responses (184k tokens: 33 min
+#    at 92 tok/s, partly shared) and features (15 min), then run-s7 continued on all records
+#    with the last 64 of the new ones held out (500 steps at lr 1e-3, both BLAS threads on an
+#    otherwise quiet CPU: 34 min).
+python "$HERE/make_magpie_prompts.py" prompts-m1.jsonl --n 1024 --seed 1 --batch 64
+dflash2-mlx train --data-only --prompts prompts-m1.jsonl --data data-m1.jsonl --out run-data-m \
+    --prompt-limit 1024 --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
+[[ -f features-m1.safetensors ]] ||
+    python "$T" features data-m1.jsonl features-m1.safetensors --max-len 448 --batch 8
+cat data-all7.jsonl data-m1.jsonl > data-all8.jsonl
+python "$T" train --version 2 data-all8.jsonl features.safetensors \
+    --more-features features-d.safetensors --more-features features-d2.safetensors \
+    --more-features features-d3.safetensors --more-features features-m1.safetensors run-s8 --init run-s7/final \
+    --steps 500 --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 8 --val-records 64 --val-every 50 \
+    --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 > train-s8.log 2>&1
+
+# 10. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
 #    evaluation on the five sets in its README, and compare the shipped copies' offline tau
 #    with the fp32 runs.
 DEST="$HERE/../dflash2_mlx/drafters"
 B="$HERE/../dflash2_mlx/bench_data"
 SETS=(-b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" -b "$B/mt_bench.jsonl")
 python "$T" ship run-v1/final "$DEST/smollm2-135m-dflash1" --bits 8 --data data-first.jsonl
-SHIP=(--bits 8 --data run-s7/data-clean.jsonl --previous run-s4/final --previous run-s5/final --previous run-s6/final --domain)
-python "$T" ship run-s7/final shipped-s7 "${SHIP[@]}"
-python "$T" ship run-s6/final shipped-s6 --bits 8 --data data-all6.jsonl --previous run-s4/final --previous run-s5/final --domain
-dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s6 -d this=shipped-s7 "${SETS[@]}" \
-    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s7
-python "$T" ship run-s7/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s7 \
-    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s6 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
-python "$T" check run-s7/data-clean.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s7/final "$DEST/smollm2-135m-dflash2"
+SHIP=(--bits 8 --data run-s8/data-clean.jsonl --previous run-s4/final --previous run-s5/final --previous run-s6/final
+      --previous run-s7/final --domain --magpie)
+python "$T" ship run-s8/final shipped-s8 "${SHIP[@]}"
+python "$T" ship run-s7/final shipped-s7 --bits 8 --data run-s7/data-clean.jsonl --previous run-s4/final \
+    --previous run-s5/final --previous run-s6/final --domain
+dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s7 -d this=shipped-s8 "${SETS[@]}" \
+    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s8
+python "$T" ship run-s8/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s8 \
+    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s7 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
+python "$T" check run-s8/data-clean.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s8/final "$DEST/smollm2-135m-dflash2"
