@@ -12,7 +12,8 @@ fixed bookkeeping cost per drafting cycle; the policy under test decides from it
 cost model, by default a fresh default calibration (what a user's first run measures).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python scripts/simulate_adaptive.py --samples 4 --max-tokens 64
+        python scripts/simulate_adaptive.py [--samples 2 --max-tokens 64] \
+        [--tables T.npz --truth C.json]   # written on the first run, read after
 """
 
 import argparse
