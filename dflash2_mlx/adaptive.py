@@ -422,12 +422,19 @@ def policy(target, drafter, block_size=AUTO, greedy: bool = True,
     positions = drafter.config.block_size - 1
     key = pair_key(target, drafter, greedy) if history else None
     hist = load_history(key, positions) if key else None
-    start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(
-        positions, PRIOR_WEIGHT if greedy else SAMPLED_PRIOR_WEIGHT)
-    chosen = Adaptive(costs or cost_model(target, drafter), largest or positions + 1, start,
-                      seeded=hist is not None)
+    chosen = starting(costs or cost_model(target, drafter), largest or positions + 1, positions,
+                      hist, greedy)
     chosen.history_key = key
     return chosen
+
+
+def starting(costs: CostModel, largest: int, positions: int, hist: Optional[Acceptance],
+             greedy: bool = True) -> Adaptive:
+    """A request's ``Adaptive`` policy, seeded from the pair's history ``hist`` (worth
+    SEED_WEIGHT cycles) when there is one, else from the prior."""
+    start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(
+        positions, PRIOR_WEIGHT if greedy else SAMPLED_PRIOR_WEIGHT)
+    return Adaptive(costs, largest, start, seeded=hist is not None)
 
 
 def remember(chosen):

@@ -90,9 +90,11 @@ class Tally:
 
 
 def offline_hits(target: Target, drafter, ids: List[int], start: int, block_size: int,
-                 top_k: int, max_anchors: Optional[int] = None, chunk: int = 32, seed: int = 0):
-    """(hit1, hitk, hitsel) [N, B-1] booleans over the full-block anchors of one sequence."""
-    feats = target_features(target, [ids])
+                 top_k: int, max_anchors: Optional[int] = None, chunk: int = 32, seed: int = 0,
+                 feats: Optional[mx.array] = None):
+    """(hit1, hitk, hitsel) [N, B-1] booleans over the full-block anchors of one sequence
+    (``feats``: its target features, when the caller already has them)."""
+    feats = target_features(target, [ids]) if feats is None else feats
     rng = np.random.default_rng(seed)
     seq, anchors = objective.sample_anchors(rng, [start], [len(ids)], max_anchors or len(ids),
                                             full_blocks=block_size)

@@ -27,15 +27,16 @@ from dflash2_mlx import adaptive, load
 from dflash2_mlx.bench import default_bench_files, sample_prompts
 from dflash2_mlx.evaluate import greedy_responses, leading, offline_hits
 from dflash2_mlx.target import attach
+from dflash2_mlx.train.features import target_features
 
 
 def accept_tables(target, drafter, seqs, largest: int):
     """Per sequence, {b: accepted drafts of a cycle anchored at each response position}."""
     tables = []
     for ids, start in seqs:
-        table = {}
+        table, feats = {}, target_features(target, [ids])
         for b in range(2, largest + 1):
-            hit1, _, hitsel = offline_hits(target, drafter, ids, start, b, top_k=16)
+            hit1, _, hitsel = offline_hits(target, drafter, ids, start, b, top_k=16, feats=feats)
             table[b] = leading(hitsel if hitsel is not None else hit1)
         tables.append((table, start, len(ids)))
     return tables
@@ -133,13 +134,7 @@ def main():
     rows = [run("plain", lambda h: adaptive.Fixed(1), tables, args.max_tokens, truth, overhead, False)]
     rows += [run(f"block {b}", lambda h, b=b: adaptive.Fixed(b), tables, args.max_tokens, truth,
                  overhead, False) for b in range(2, largest + 1)]
-    positions = largest - 1
-
-    def adaptive_policy(costs):
-        def make(h):
-            start = h.scaled(adaptive.SEED_WEIGHT) if h else adaptive.Acceptance.empty(positions)
-            return adaptive.Adaptive(costs, largest, start, seeded=h is not None)
-        return make
+    adaptive_policy = lambda costs: lambda h: adaptive.starting(costs, largest, largest - 1, h)
 
     rows.append(run("adaptive, true costs", adaptive_policy(truth), tables, args.max_tokens, truth,
                     overhead, True))
