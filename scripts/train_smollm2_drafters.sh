@@ -24,18 +24,40 @@ mkdir -p "$WORK"
 cd "$WORK"
 T="$HERE/train_smollm2_drafters.py"
 
-# A round of domain-shaped data (steps 7 and 8): the maker's first $1 prompts (seed 1, so a
-# smaller --n is a prefix and the $2 responses already made are kept), answered by the
-# target; the newest 1024 records become data-d$3.jsonl, with their features.
-domain_round() {
-    local n=$1 prev=$2 k=$3
-    python "$HERE/make_domain_prompts.py" "prompts-d$n.jsonl" --n "$n" --seed 1
-    [[ -f "data-d$n.jsonl" ]] || cp "$prev" "data-d$n.jsonl"
-    dflash2-mlx train --data-only --prompts "prompts-d$n.jsonl" --data "data-d$n.jsonl" --out run-data-d \
-        --prompt-limit "$n" --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
-    tail -n +$((n - 1023)) "data-d$n.jsonl" > "data-d$k.jsonl"
-    [[ -f "features-d$k.safetensors" ]] ||
-        python "$T" features "data-d$k.jsonl" "features-d$k.safetensors" --max-len 448 --batch 8
+# A round of data (stages 7, 8 and 10): the first $2 prompts of the maker $1 (seed 1) in $3,
+# which starts as a copy of the previous round's $4 (the domain maker rewrites it: a smaller
+# --n is a prefix; the Magpie maker appends after it), answered by the target in $5, which
+# starts as a copy of the previous round's $6 so that its responses are kept (greedy; those
+# past prompt $8, when given, sampled at T=1). The newest 1024 records become data-$7.jsonl,
+# with their features in features-$7.safetensors.
+data_round() {
+    local maker=$1 n=$2 prompts=$3 prev_prompts=$4 data=$5 prev_data=$6 new=$7 greedy=${8:-$2}
+    [[ -f $prompts ]] || cp "$prev_prompts" "$prompts"
+    python "$HERE/$maker" "$prompts" --n "$n" --seed 1
+    [[ -f $data ]] || cp "$prev_data" "$data"
+    dflash2-mlx train --data-only --prompts "$prompts" --data "$data" --out run-data \
+        --prompt-limit "$greedy" --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
+    if (( greedy < n )); then
+        dflash2-mlx train --data-only --prompts "$prompts" --data "$data" --out run-data \
+            --prompt-limit "$n" --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 1
+    fi
+    tail -n +$((n - 1023)) "$data" > "data-$new.jsonl"
+    [[ -f "features-$new.safetensors" ]] ||
+        python "$T" features "data-$new.jsonl" "features-$new.safetensors" --max-len 448 --batch 8
+}
+
+# A shipped run continued (stages 6 to 10) on the data $1 with the first records' features
+# and those of the later rounds ($6...), the last 64 records held out (never trained on;
+# held-out figures every 50 steps in the log): the run $2 from $3/final, $4 steps at lr
+# 1e-3, seed $5.
+continue_run() {
+    local data=$1 run=$2 init=$3 steps=$4 seed=$5 more=() f
+    shift 5
+    for f in "$@"; do more+=(--more-features "$f"); done
+    python "$T" train --version 2 "$data" features.safetensors "${more[@]}" "$run" --init "$init/final" \
+        --steps "$steps" --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed "$seed" \
+        --val-records 64 --val-every 50 --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 \
+        > "train-${run#run-}.log" 2>&1
 }
 
 # 1. Prompts from text on this machine (CPython stdlib docstrings, coding tasks phrased from
@@ -86,21 +108,15 @@ dflash2-mlx train --data-only --prompts prompts-d.jsonl --data data-d.jsonl --ou
     --prompt-limit 1024 --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
 [[ -f features-d.safetensors ]] || python "$T" features data-d.jsonl features-d.safetensors --max-len 448 --batch 8
 cat data.jsonl data-d.jsonl > data-all5.jsonl
-OPENBLAS_NUM_THREADS=1 python "$T" train --version 2 data-all5.jsonl features.safetensors \
-    --more-features features-d.safetensors run-s5 --init run-s4/final --steps 600 --lr 1e-3 \
-    --batch-size 8 --max-anchors 32 --max-len 448 --seed 5 --val-records 64 --val-every 50 --save-every 25 \
-    --min-block-size 3 --distill 1 --sliding-window 64 > train-s5.log 2>&1
+OPENBLAS_NUM_THREADS=1 continue_run data-all5.jsonl run-s5 run-s4 600 5 features-d.safetensors
 
 # 7. 1024 more prompts of the same maker (its first 2048 with seed 1: the first 1280 are
 #    prompts-d.jsonl byte for byte), their responses (191k tokens: ~40 min shared) and
 #    features (~13 min), then run-s5 continued on all records with the last 64 of the newest
 #    held out (600 steps at lr 1e-3, both BLAS threads on an otherwise quiet CPU).
-domain_round 2048 data-d.jsonl 2
+data_round make_domain_prompts.py 2048 prompts-d2048.jsonl prompts-d.jsonl data-d2048.jsonl data-d.jsonl d2
 cat data.jsonl data-d.jsonl data-d2.jsonl > data-all6.jsonl
-python "$T" train --version 2 data-all6.jsonl features.safetensors \
-    --more-features features-d.safetensors --more-features features-d2.safetensors run-s6 --init run-s5/final \
-    --steps 600 --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 6 --val-records 64 --val-every 50 \
-    --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 > train-s6.log 2>&1
+continue_run data-all6.jsonl run-s6 run-s5 600 6 features-d.safetensors features-d2.safetensors
 
 # 8. 1024 more prompts of the same maker (its first 3072 with seed 1: the first 2048 are
 #    prompts-d2048.jsonl byte for byte), their responses (194k tokens: ~45 min, partly shared)
@@ -108,13 +124,9 @@ python "$T" train --version 2 data-all6.jsonl features.safetensors \
 #    newest held out (700 steps at lr 1e-3, both BLAS threads on an otherwise quiet CPU).
 #    The train step drops the records whose prompt shares 13 words in a row with a benchmark
 #    prompt (two here: see train/contamination.py).
-domain_round 3072 data-d2048.jsonl 3
+data_round make_domain_prompts.py 3072 prompts-d3072.jsonl prompts-d2048.jsonl data-d3072.jsonl data-d2048.jsonl d3
 cat data.jsonl data-d.jsonl data-d2.jsonl data-d3.jsonl > data-all7.jsonl
-python "$T" train --version 2 data-all7.jsonl features.safetensors \
-    --more-features features-d.safetensors --more-features features-d2.safetensors \
-    --more-features features-d3.safetensors run-s7 --init run-s6/final \
-    --steps 700 --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 7 --val-records 64 --val-every 50 \
-    --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 > train-s7.log 2>&1
+continue_run data-all7.jsonl run-s7 run-s6 700 7 features-d.safetensors features-d2.safetensors features-d3.safetensors
 
 # 9. 1024 prompts the target writes itself (make_magpie_prompts.py, seed 1: the chat template
 #    up to a user turn, sampled at T=1, top-p 0.95; one in five free-form, the others from
@@ -128,11 +140,8 @@ dflash2-mlx train --data-only --prompts prompts-m1.jsonl --data data-m1.jsonl --
 [[ -f features-m1.safetensors ]] ||
     python "$T" features data-m1.jsonl features-m1.safetensors --max-len 448 --batch 8
 cat data-all7.jsonl data-m1.jsonl > data-all8.jsonl
-python "$T" train --version 2 data-all8.jsonl features.safetensors \
-    --more-features features-d.safetensors --more-features features-d2.safetensors \
-    --more-features features-d3.safetensors --more-features features-m1.safetensors run-s8 --init run-s7/final \
-    --steps 500 --lr 1e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 8 --val-records 64 --val-every 50 \
-    --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 > train-s8.log 2>&1
+continue_run data-all8.jsonl run-s8 run-s7 500 8 features-d.safetensors features-d2.safetensors \
+    features-d3.safetensors features-m1.safetensors
 
 # 10. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
 #    evaluation on the five sets in its README, and compare the shipped copies' offline tau
