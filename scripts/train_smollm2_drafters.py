@@ -18,6 +18,7 @@ would.  ``scripts/train_smollm2_drafters.sh`` runs the whole recipe.
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -90,7 +91,7 @@ def use_feature_file(*paths):
 
     # batch_features (trainer.micro_batch) looks target_features up in the features module.
     features_mod.target_features = cached
-    return len(table)
+    return table
 
 
 def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
@@ -142,8 +143,17 @@ def decontaminated(path, tokenizer, out: Path) -> str:
 def train(args):
     from dflash2_mlx.train import TrainConfig, train_drafter
 
-    n = use_feature_file(args.features, *args.more_features)
-    print(f"{n} cached feature sequences", flush=True)
+    from dflash2_mlx.train.data import read_dataset, sequences
+
+    table = use_feature_file(args.features, *args.more_features)
+    print(f"{len(table)} cached feature sequences", flush=True)
+    # Checked before training: the trainer would only meet a missing sequence steps later.
+    missing = [i for i, (s, _) in enumerate(sequences(read_dataset(args.data), args.max_len))
+               if tuple(s) not in table]
+    if missing:
+        sys.exit(f"{len(missing)} sequences of {args.data} (record {missing[0]} first) are in none of the "
+                 f"feature files: pass every file written for this data (--more-features), computed "
+                 f"with --max-len {args.max_len}")
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=0.04, batch_size=args.batch_size,
                       max_anchors=args.max_anchors, max_len=args.max_len, seed=args.seed,
                       save_every=args.save_every, keep=1, log_every=1,
