@@ -143,20 +143,32 @@ cat data-all7.jsonl data-m1.jsonl > data-all8.jsonl
 continue_run data-all8.jsonl run-s8 run-s7 500 8 features-d.safetensors features-d2.safetensors \
     features-d3.safetensors features-m1.safetensors
 
-# 10. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
+# 10. 1024 more prompts the target wrote itself (the maker's first 2048 with seed 1; the first
+#    1024 are prompts-m1.jsonl: ~20 min on a quiet CPU), their responses, the first 512
+#    greedy (95k tokens: 16 min at 97 tok/s) and the last 512 sampled at T=1 (98k tokens:
+#    17 min at 96 tok/s; T=1 serving drafts after sampled tokens, and until now every
+#    response was greedy), features (16 min), then run-s8 continued on all records with the
+#    last 64 of the new ones held out (500 steps at lr 1e-3, both BLAS threads on an
+#    otherwise quiet CPU: 33 min).
+data_round make_magpie_prompts.py 2048 prompts-m2.jsonl prompts-m1.jsonl data-m2.jsonl data-m1.jsonl m2new 1536
+cat data-all8.jsonl data-m2new.jsonl > data-all9.jsonl
+continue_run data-all9.jsonl run-s9 run-s8 500 9 features-d.safetensors features-d2.safetensors \
+    features-d3.safetensors features-m1.safetensors features-m2new.safetensors
+
+# 11. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
 #    evaluation on the five sets in its README, and compare the shipped copies' offline tau
 #    with the fp32 runs.
 DEST="$HERE/../dflash2_mlx/drafters"
 B="$HERE/../dflash2_mlx/bench_data"
 SETS=(-b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" -b "$B/mt_bench.jsonl")
 python "$T" ship run-v1/final "$DEST/smollm2-135m-dflash1" --bits 8 --data data-first.jsonl
-SHIP=(--bits 8 --data run-s8/data-clean.jsonl --previous run-s4/final --previous run-s5/final --previous run-s6/final
-      --previous run-s7/final --domain --magpie)
-python "$T" ship run-s8/final shipped-s8 "${SHIP[@]}"
-python "$T" ship run-s7/final shipped-s7 --bits 8 --data run-s7/data-clean.jsonl --previous run-s4/final \
-    --previous run-s5/final --previous run-s6/final --domain
-dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s7 -d this=shipped-s8 "${SETS[@]}" \
-    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s8
-python "$T" ship run-s8/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s8 \
-    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s7 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
-python "$T" check run-s8/data-clean.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s8/final "$DEST/smollm2-135m-dflash2"
+SHIP=(--bits 8 --data run-s9/data-clean.jsonl --previous run-s4/final --previous run-s5/final --previous run-s6/final
+      --previous run-s7/final --previous run-s8/final --domain --magpie --sampled 512)
+python "$T" ship run-s9/final shipped-s9 "${SHIP[@]}"
+python "$T" ship run-s8/final shipped-s8 --bits 8 --data run-s8/data-clean.jsonl --previous run-s4/final \
+    --previous run-s5/final --previous run-s6/final --previous run-s7/final --domain --magpie
+dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s8 -d this=shipped-s9 "${SETS[@]}" \
+    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s9
+python "$T" ship run-s9/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s9 \
+    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s8 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
+python "$T" check run-s9/data-clean.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s9/final "$DEST/smollm2-135m-dflash2"
