@@ -8,7 +8,9 @@
 - ``best_block``: argmax over b in 1..largest of E[tokens | b] / cost(b, context); b = 1
   is a plain decode step (no drafter pass).
 - ``Adaptive``: the per-request state the cycle asks for a block size and tells what was
-  accepted; after falling back to plain decoding it probes the drafter now and then.
+  accepted; after falling back to plain decoding it probes the drafter now and then, and
+  every few plain steps runs a shadow probe (the drafter's guess for the token the plain
+  step makes, never verified) so its estimate keeps up with a drafter that recovers.
 
 The choice depends only on the past, so every cycle stays lossless whatever it picks.
 """
@@ -37,6 +39,7 @@ SEED_WEIGHT = 4.0  # cycles a pair's history on this machine counts for at a req
 DECAY = 0.95  # evidence kept per drafted cycle
 PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backing off, at most
 PROBE_BUDGET = 0.015  # a failed probe's extra cost, spread over the wait, is at most this share
+SHADOW_BUDGET = 0.03  # shadow probes' drafter passes cost at most this share of the plain steps
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
 CALIBRATION = 3  # bumped when calibrate() measures differently: older cost files are remeasured
 
@@ -71,10 +74,11 @@ class CostModel:
     def cycle(self, b: int, context: int) -> float:
         base, slope = _interp(self.target, b)
         seconds = base + slope * context
-        if b > 1:
-            base, slope = _interp(self.drafter, b)
-            seconds += base + slope * context
-        return seconds
+        return seconds + self.draft(b, context) if b > 1 else seconds
+
+    def draft(self, b: int, context: int) -> float:
+        base, slope = _interp(self.drafter, b)
+        return base + slope * context
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -288,6 +292,12 @@ class Acceptance:
             self.reached[i] += 1
             self.accepted[i] += i < accepted
 
+    def record_first(self, chance: float):
+        """A shadow probe: a block-2 draft that would have been accepted with ``chance``
+        (at T=0 0 or 1; when sampling, its expected acceptance, which varies less)."""
+        self.record(2, 0)
+        self.accepted[0] += chance
+
     def rates(self) -> List[float]:
         out, prev = [], PRIOR_RATE
         for n, a in zip(self.reached, self.accepted):
@@ -333,6 +343,9 @@ class Fixed:
     def record(self, b: int, accepted: int):
         pass
 
+    def shadow(self) -> bool:
+        return False
+
 
 class Adaptive:
     """Chooses each cycle's block size from the cost model and the live acceptance.
@@ -343,14 +356,23 @@ class Adaptive:
     shorter than what keeps a failed probe's extra cost within PROBE_BUDGET of the plain
     steps around it, so probes grow rarer where verifying more rows costs more (long
     contexts).  A request starts from its pair's history (worth SEED_WEIGHT cycles) when
-    there is one; only a pair without any probes at once when its prior says plain."""
+    there is one; only a pair without any probes at once when its prior says plain.
 
-    def __init__(self, costs: CostModel, largest: int, acceptance: Acceptance, seeded: bool = False):
+    Probes alone learn slowly: a stretch of failed cycles can send the decayed estimate
+    below what the drafter deserves, and plain decoding then tests it only at probes that
+    grow rarer.  So while decoding plain, every few steps (as many as keep the drafter's
+    cost within ``shadow_budget`` of the plain steps; 0: never) the cycle also drafts a
+    block of 2 from the step's input token without verifying it, and tells ``record_shadow``
+    whether that draft would have been accepted."""
+
+    def __init__(self, costs: CostModel, largest: int, acceptance: Acceptance, seeded: bool = False,
+                 shadow_budget: float = SHADOW_BUDGET):
         self.costs, self.largest, self.acceptance = costs, largest, acceptance
         self.fallback = False
         self.wait = PROBE_FIRST if seeded else 0
         self.backoff = PROBE_FIRST
         self.context = 0
+        self.shadow_budget, self.since_shadow = shadow_budget, 0
 
     def block_size(self, context: int) -> int:
         self.context = context
@@ -380,6 +402,20 @@ class Adaptive:
         else:  # a probe that found nothing: wait longer
             self.wait = self._wait(self.backoff, b)
             self.backoff = min(2 * self.backoff, PROBE_MAX)
+
+    def shadow(self) -> bool:
+        """Whether the plain step just chosen should carry a shadow probe."""
+        if not self.fallback or self.shadow_budget <= 0:
+            return False
+        self.since_shadow += 1
+        share = self.costs.draft(2, self.context) / self.costs.cycle(1, self.context)
+        if self.since_shadow < share / self.shadow_budget:
+            return False
+        self.since_shadow = 0
+        return True
+
+    def record_shadow(self, chance: float):
+        self.acceptance.record_first(chance)
 
 
 def history_path(key: str) -> Path:
@@ -429,12 +465,12 @@ def policy(target, drafter, block_size=AUTO, greedy: bool = True,
 
 
 def starting(costs: CostModel, largest: int, positions: int, hist: Optional[Acceptance],
-             greedy: bool = True) -> Adaptive:
+             greedy: bool = True, shadow_budget: float = SHADOW_BUDGET) -> Adaptive:
     """A request's ``Adaptive`` policy, seeded from the pair's history ``hist`` (worth
     SEED_WEIGHT cycles) when there is one, else from the prior."""
     start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(
         positions, PRIOR_WEIGHT if greedy else SAMPLED_PRIOR_WEIGHT)
-    return Adaptive(costs, largest, start, seeded=hist is not None)
+    return Adaptive(costs, largest, start, seeded=hist is not None, shadow_budget=shadow_budget)
 
 
 def remember(chosen):

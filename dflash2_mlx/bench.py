@@ -68,7 +68,8 @@ def run_dflash(model, tokenizer, drafter, ids: List[int], temp: float, max_token
     out = _run(tokens, last)
     out.update(cycles=last.cycles if last else 0,
                acceptance_counts=list(last.acceptance_counts) if last else [],
-               block_sizes=dict(last.block_sizes) if last else {})
+               block_sizes=dict(last.block_sizes) if last else {},
+               shadows=last.shadows if last else 0)
     return out
 
 
@@ -104,7 +105,7 @@ class Tally:
     """Tokens, time, cycles and per-position acceptance that add up over runs."""
 
     def __init__(self):
-        self.tokens, self.seconds, self.cycles, self.runs = 0, 0.0, 0, 0
+        self.tokens, self.seconds, self.cycles, self.runs, self.shadows = 0, 0.0, 0, 0, 0
         self.positions: List[int] = []
         self.block_sizes: Dict[int, int] = {}
 
@@ -113,6 +114,7 @@ class Tally:
         self.tokens += run["generation_tokens"]
         self.seconds += run["seconds"]
         self.cycles += run.get("cycles", 0)
+        self.shadows += run.get("shadows", 0)
         counts = run.get("acceptance_counts", [])
         if len(counts) > len(self.positions):
             self.positions += [0] * (len(counts) - len(self.positions))
@@ -124,7 +126,7 @@ class Tally:
     def merge(self, other: "Tally"):
         self.add({"generation_tokens": other.tokens, "seconds": other.seconds,
                   "cycles": other.cycles, "acceptance_counts": other.positions,
-                  "block_sizes": other.block_sizes})
+                  "block_sizes": other.block_sizes, "shadows": other.shadows})
         self.runs += other.runs - 1
 
     def result(self) -> dict:
@@ -133,7 +135,7 @@ class Tally:
         if self.cycles:
             out.update(cycles=self.cycles, tau=(sum(self.positions) + self.cycles) / self.cycles,
                        acceptance_by_position=[c / self.cycles for c in self.positions],
-                       block_sizes=dict(sorted(self.block_sizes.items())))
+                       block_sizes=dict(sorted(self.block_sizes.items())), shadows=self.shadows)
         return out
 
 
@@ -334,9 +336,10 @@ def markdown(report: dict) -> str:
               if m.endswith("adaptive") and overall[t][m].get("block_sizes")]
     if chosen:
         lines += ["", "## Block sizes chosen by the adaptive row (cycles; 1 = plain decode step)", "",
-                  "| method | temperature | block sizes |", "|---|---|---|"]
+                  "| method | temperature | block sizes | plain steps with a shadow probe |", "|---|---|---|---|"]
         for m, t, hist in chosen:
-            lines.append(f"| {m} | {t} | " + ", ".join(f"{b}: {c}" for b, c in hist.items()) + " |")
+            lines.append(f"| {m} | {t} | " + ", ".join(f"{b}: {c}" for b, c in hist.items())
+                         + f" | {overall[t][m].get('shadows', 0)} |")
         for m, t, _ in chosen:
             best = best_fixed(overall[t], m[: -len(" adaptive")], m)
             if best and len([x for x in methods if x.startswith(m[: -len(" adaptive")])]) > 2:

@@ -39,6 +39,7 @@ class GenerationResponse:
     cycles: int = 0
     block_sizes: Dict[int, int] = field(default_factory=dict)  # cycles per block size so far
     fallback: bool = False  # adaptive mode is decoding plain for now (probing the drafter)
+    shadows: int = 0  # plain steps so far that also drafted, unverified, to follow the drafter
 
 
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
@@ -192,6 +193,7 @@ def _responses(tokens, tokenizer, ids, limit, tic):
             cycles=stats.cycles if stats else 0,
             block_sizes=dict(sorted(stats.block_sizes.items())) if stats else {},
             fallback=stats.fallback if stats else False,
+            shadows=stats.shadows if stats else 0,
         )
         if finish:
             return
@@ -211,14 +213,16 @@ def generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None, verbos
     return text
 
 
-def blocks_text(block_sizes: Dict[int, int], fallback: bool) -> str:
-    """The block-size histogram, e.g. "blocks 1x40 3x6 (plain fallback)"."""
+def blocks_text(block_sizes: Dict[int, int], fallback: bool, shadows: int = 0) -> str:
+    """The block-size histogram, e.g. "blocks 1x40 3x6 (plain fallback, 8 shadow probes)"."""
     hist = " ".join(f"{b}x{n}" for b, n in sorted(block_sizes.items()))
-    return f"blocks {hist}" + (" (plain fallback)" if fallback else "")
+    notes = ["plain fallback"] * fallback + [f"{shadows} shadow probes"] * (shadows > 0)
+    return f"blocks {hist}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def stats_line(r: GenerationResponse) -> str:
-    tau = f"tau {r.tau:.2f} | {blocks_text(r.block_sizes, r.fallback)} | " if r.cycles else ""
+    blocks = blocks_text(r.block_sizes, r.fallback, r.shadows)
+    tau = f"tau {r.tau:.2f} | {blocks} | " if r.cycles else ""
     return (f"{tau}generation {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | "
             f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
             f"peak memory {r.peak_memory:.3f} GB")

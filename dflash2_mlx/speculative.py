@@ -5,8 +5,9 @@ drafter fills a block [anchor, MASK...] in one pass, the drafted tokens are prop
 (argmax / sample / selector walk), the target verifies the whole block in one pass, the
 accepted prefix plus the target's own next token is committed, the target cache is
 rolled back to that point and the draft context gets the committed tokens' features.
-A block of 1 is a plain decode step: no drafter pass, and pipelined as mlx-lm's are.  Yields (token, logprobs,
-from_draft, stats) per token.
+A block of 1 is a plain decode step, pipelined as mlx-lm's are; the adaptive policy may have
+it carry a shadow probe (a block-2 draft never verified: ``shadow_chance``).  Yields (token,
+logprobs, from_draft, stats) per token.
 """
 
 from collections import Counter
@@ -18,7 +19,7 @@ import mlx.core as mx
 from . import adaptive
 from .draft_context import DraftContext
 from .drafter import Drafter, propose
-from .sampling import (SamplingParams, processed_logits, processed_logprobs, sample,
+from .sampling import (SamplingParams, probs, processed_logits, processed_logprobs, sample,
                        verify_greedy, verify_sampled)
 from .target import Target, rollback, snapshot
 
@@ -33,6 +34,7 @@ class CycleStats:
     position_accepted: List[int] = field(default_factory=list)
     block_sizes: Dict[int, int] = field(default_factory=Counter)  # cycles per block size
     fallback: bool = False  # the adaptive policy is decoding plain (probing now and then)
+    shadows: int = 0  # plain steps that carried a shadow probe
 
     def __post_init__(self):
         self.position_accepted = [0] * max(self.block_size - 1, 0)
@@ -60,6 +62,18 @@ def prefill(target: Target, prompt: mx.array, cache, step: int = 2048):
         mx.eval(logits, f)
         feats.append(f)
     return logits[0, -1:], mx.concatenate(feats, axis=1)
+
+
+def shadow_chance(drafter: Drafter, context: DraftContext, token: mx.array, step: tuple,
+                  params: SamplingParams) -> mx.array:
+    """The chance that a block-2 draft anchored at ``token`` would have been accepted,
+    against the plain step ``step`` (token, logprobs) that follows it: 0 or 1 at T=0, else
+    sum(min(p, q)) at position 1.  Only the policy reads it, so the output is unchanged."""
+    block = mx.concatenate([token.astype(mx.int32), mx.array([drafter.config.mask_token_id])])
+    draft, q = propose(drafter, drafter(block[None], context.fed()), token[0], params)
+    if params.greedy:
+        return (draft[0] == step[0][0]).astype(mx.float32)
+    return mx.minimum(probs(step[1][None], params)[0], q[0]).sum()
 
 
 def speculative_generate_step(
@@ -94,7 +108,12 @@ def speculative_generate_step(
     anchor = int(sample(logprobs, params)[0].item())
     yield anchor, logprobs[0], False, stats
     emitted = 1
-    pending = None  # a plain step's (token, logprobs): computing, not read yet
+    pending = None  # a plain step's (token, logprobs, shadow chance or None): computing, not read yet
+
+    def take(pending) -> int:
+        if pending[2] is not None:
+            policy.record_shadow(pending[2].item())
+        return int(pending[0].item())
 
     while emitted + (pending is not None) < max_tokens:
         b = policy.block_size(history.size)
@@ -102,21 +121,26 @@ def speculative_generate_step(
             # A plain decode step, pipelined as in mlx-lm: the next step's graph is built
             # while this one computes, so reading a token never leaves the CPU idle.
             token = pending[0] if pending is not None else mx.array([anchor])
+            shadow = policy.shadow()
             logits, features = target(token[None], cache)
             logprobs = processed_logprobs(logits[0], history, token, logits_processors)
             step = (sample(logprobs, params), logprobs[0])
-            mx.async_eval(step)
+            # Before this step's features join the context: the draft sees what a cycle
+            # anchored at ``token`` would see.
+            step += (shadow_chance(drafter, context, token, step, params) if shadow else None,)
+            mx.async_eval([x for x in step if x is not None])
             context.add(features)
             history = mx.concatenate([history, token])
             policy.record(1, 0)
             stats.record(1, 0, policy.fallback)
+            stats.shadows += shadow
             if pending is not None:
-                yield int(pending[0].item()), pending[1], False, stats
+                yield take(pending), pending[1], False, stats
                 emitted += 1
             pending = step
             continue
         if pending is not None:  # drafting resumes from the last plain step's token
-            anchor = int(pending[0].item())
+            anchor = take(pending)
             yield anchor, pending[1], False, stats
             emitted, pending = emitted + 1, None
         block = mx.array([[anchor] + [mask] * (b - 1)])
@@ -147,4 +171,4 @@ def speculative_generate_step(
                 return
         anchor = bonus
     if pending is not None:
-        yield int(pending[0].item()), pending[1], False, stats
+        yield take(pending), pending[1], False, stats

@@ -59,7 +59,8 @@ def load_tables(path):
 
 
 def replay(policy, table, start: int, length: int, max_tokens: int, costs, overhead: float):
-    """(tokens, seconds, cycles by block size) of one greedy response under ``policy``."""
+    """(tokens, seconds, cycles by block size) of one greedy response under ``policy``;
+    a plain step's shadow probe costs a block-2 draft and learns block 2's first outcome."""
     pos, emitted, seconds, used = start, 1, 0.0, {}
     while emitted < max_tokens:
         b = policy.block_size(pos)
@@ -68,6 +69,9 @@ def replay(policy, table, start: int, length: int, max_tokens: int, costs, overh
             b = 1  # past the last anchor with a full block: no table, step plainly
         accepted = 0 if b == 1 else int(min(rows[pos - start], b - 1))
         seconds += costs.cycle(b, pos) + (overhead if b > 1 else 0.0)
+        if b == 1 and policy.shadow() and pos - start < len(table[2]):
+            seconds += costs.draft(2, pos)
+            policy.record_shadow(float(min(table[2][pos - start], 1)))
         policy.record(b, accepted)
         used[b] = used.get(b, 0) + 1
         pos += accepted + 1
@@ -138,6 +142,8 @@ def main():
 
     rows.append(run("adaptive, true costs", adaptive_policy(truth), tables, args.max_tokens, truth,
                     overhead, True))
+    unshadowed = lambda h: adaptive.starting(truth, largest, largest - 1, h, shadow_budget=0)
+    rows.append(run("  ... no shadow probes", unshadowed, tables, args.max_tokens, truth, overhead, True))
     for i, c in enumerate(deciders):
         rows.append(run(f"adaptive, decider {i}", adaptive_policy(c), tables, args.max_tokens, truth,
                         overhead, True))

@@ -13,7 +13,7 @@ import pytest
 import dflash2_mlx as d
 from dflash2_mlx import adaptive
 from dflash2_mlx.adaptive import Acceptance, Adaptive, CostModel, best_block, expected_tokens
-from dflash2_mlx.generate import stats_line
+from dflash2_mlx.generate import blocks_text, stats_line
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.speculative import speculative_generate_step
 from dflash2_mlx.target import attach
@@ -28,12 +28,14 @@ GPU = CostModel({1: (1.0, 0.0), 8: (1.0, 0.0)}, {2: (0.05, 0.0), 8: (0.05, 0.0)}
 
 
 class Scripted:
-    """A policy that walks a fixed list of block sizes (then repeats it)."""
+    """A policy that walks a fixed list of block sizes (then repeats it); every other
+    plain step carries a shadow probe."""
 
     fallback = False
 
     def __init__(self, sizes):
         self.sizes, self.i, self.largest = list(sizes), 0, max(sizes)
+        self.plain, self.chances = 0, []
 
     def block_size(self, context):
         b = self.sizes[self.i % len(self.sizes)]
@@ -42,6 +44,13 @@ class Scripted:
 
     def record(self, b, accepted):
         pass
+
+    def shadow(self):
+        self.plain += 1
+        return self.plain % 2 == 1
+
+    def record_shadow(self, chance):
+        self.chances.append(chance)
 
 
 SCRIPT = [1, 3, 1, 5, 2, 8, 1, 1, 4, 6]
@@ -157,6 +166,26 @@ def test_probes_grow_rarer_where_verifying_costs_more():
     assert max(short) == max(long) == adaptive.PROBE_MAX + 1  # backing off ends where it always did
 
 
+
+def test_shadow_probes_follow_the_costs_and_feed_the_first_position():
+    policy = Adaptive(CPU, 8, Acceptance.empty(7))  # a draft costs 0.2 of a plain step
+    assert policy.block_size(0) > 1 and not policy.shadow()  # drafting: no shadows
+    for _ in range(40):
+        policy.record(policy.block_size(0), 0)
+    assert policy.fallback
+    shadows = [policy.shadow() for _ in range(70)]
+    gaps = np.diff(np.flatnonzero(shadows))
+    assert set(gaps) == {7}  # 0.2 / 7 < SHADOW_BUDGET <= 0.2 / 6
+    assert not any(Adaptive(CPU, 8, Acceptance.empty(7), shadow_budget=0).shadow() for _ in range(50))
+    before = policy.acceptance.rates()
+    policy.record_shadow(1.0)
+    after = policy.acceptance.rates()
+    assert after[0] > before[0] and policy.acceptance.reached[1] < 1  # position 1 only
+    quarter = Acceptance.empty(3)
+    for _ in range(4):
+        quarter.record_first(0.25)  # a sampled step's expected acceptance counts as a fraction
+    assert quarter.accepted[0] / quarter.reached[0] == pytest.approx(0.25) and quarter.reached[1] == 0
+
 # --- losslessness with the block size changing --------------------------------------------------
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
@@ -164,9 +193,11 @@ def test_block_size_changing_keeps_greedy_parity(pair, family):
     model, tok, drafter = pair[family]
     prompt = tok.encode("abcab dcba")
     ref = plain_tokens(model, prompt, 40)
-    out, stats = run(model, drafter, prompt, 40, Scripted(SCRIPT))
+    scripted = Scripted(SCRIPT)
+    out, stats = run(model, drafter, prompt, 40, scripted)
     assert out == ref
     assert set(stats.block_sizes) == set(SCRIPT) and stats.total_accepted > 0
+    assert stats.shadows > 2 and set(scripted.chances) <= {0.0, 1.0}  # shadows leave the text alone
     for costs in (CPU, GPU):
         out, stats = run(model, drafter, prompt, 40, Adaptive(costs, 8, Acceptance.empty(7)))
         assert out == ref
@@ -195,8 +226,9 @@ def test_caches_equal_fresh_prefill_with_changing_block_size(pair, family, temp)
     prompt = tok.encode("dcba abcd")
     cache = target.make_cache()
     mx.random.seed(7)
+    scripted = Scripted(SCRIPT)
     steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=30,
-                                      block_size=Scripted(SCRIPT), params=SamplingParams(temp=temp),
+                                      block_size=scripted, params=SamplingParams(temp=temp),
                                       prompt_cache=cache)
     tokens, seen, checks = [], 0, []
     for t, _, _, stats in steps:
@@ -205,7 +237,7 @@ def test_caches_equal_fresh_prefill_with_changing_block_size(pair, family, temp)
             held = next(c.offset for c in cache if hasattr(c, "offset")) - len(prompt)
             checks.append((len(tokens), held, _cache_arrays(cache)))
         tokens.append(t)
-    assert len(checks) >= 8
+    assert len(checks) >= 8 and scripted.chances and all(0 <= c <= 1 for c in scripted.chances)
     for n_before, held, state in checks:
         assert n_before - 1 <= held <= n_before + max(SCRIPT) - 1
         fresh = target.make_cache()
@@ -279,6 +311,64 @@ def test_fallback_to_plain_and_recovery(tmp_path):
     assert later.get(8, 0) > 10 and stats.total_accepted > 100  # with the largest block
 
 
+def test_shadow_probes_bring_drafting_back_sooner(tmp_path):
+    """After a fallback the drafter turns right: with shadow probes drafting resumes
+    before a probe would have found it, and the text is the plain text either way."""
+    model, tok, drafter, only0 = _agreeing_pair(tmp_path)
+    prompt = tok.encode("abc")
+    ref = plain_tokens(model, prompt, 200)
+    cheap = CostModel(CPU.target, {2: (0.05, 0.0), 8: (0.05, 0.0)})  # a shadow every 2 steps
+    resumed = {}
+    for budget in (adaptive.SHADOW_BUDGET, 0.0):
+        drafter.norm.weight = -only0  # every draft rejected
+        policy = Adaptive(cheap, 8, Acceptance.empty(7), shadow_budget=budget)
+        steps = speculative_generate_step(mx.array(prompt), attach(model, drafter), drafter,
+                                          max_tokens=200, block_size=policy)
+        tokens = []
+        for t, _, from_draft, stats in steps:
+            tokens.append(t)
+            if len(tokens) == 100:
+                assert stats.fallback
+                drafter.norm.weight = only0  # every draft right from here
+            if from_draft and budget not in resumed:
+                resumed[budget] = len(tokens)
+        assert tokens == ref and (stats.shadows > 3) == (budget > 0)
+    assert resumed[adaptive.SHADOW_BUDGET] <= 100 + 20 < resumed[0.0]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_shadow_chance_is_a_block_2_drafts_acceptance(tmp_path, version):
+    """At T=1 a shadow probe's chance is exactly the chance that verifying a block-2 draft
+    from the same place accepts its draft: compared with 3000 such verifications."""
+    from dflash2_mlx.draft_context import DraftContext
+    from dflash2_mlx.drafter import propose
+    from dflash2_mlx.sampling import log_softmax, sample, verify_sampled
+    from dflash2_mlx.speculative import shadow_chance
+
+    make_target(tmp_path / "t", "qwen3", alphabet="abcd", seed=5)
+    make_drafter(tmp_path / "d", tmp_path / "t", version=version, seed=11)
+    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
+    target = attach(model, drafter)
+    params = SamplingParams(temp=1.0)
+    prompt = mx.array(tok.encode("abcab dc"))
+    _, features = target(prompt[None, :-1], target.make_cache())
+    context = DraftContext(drafter)
+    context.add(features)
+    token = prompt[-1:]
+    logits, _ = target(prompt[None], target.make_cache())
+    logprobs = log_softmax(logits[0, -1:].astype(mx.float32))
+    chance = shadow_chance(drafter, context, token, (sample(logprobs, params), logprobs[0]), params).item()
+    # The verify pass's own first row is the same plain step's row.
+    hidden = drafter(mx.array([[int(token[0]), drafter.config.mask_token_id]]), context.fed())
+    n, hits = 3000, 0
+    for i in range(n):
+        mx.random.seed(i)
+        draft, q = propose(drafter, hidden, token[0], params)
+        rows = mx.concatenate([logits[0, -1:], logits[0, -1:]]).astype(mx.float32)
+        hits += verify_sampled(rows, q, draft, params)[0]
+    assert 0.05 < chance < 0.95
+    assert abs(hits / n - chance) < 4 * (chance * (1 - chance) / n) ** 0.5
+
 def test_stream_generate_reports_block_sizes(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     adaptive._costs.clear()
@@ -289,6 +379,8 @@ def test_stream_generate_reports_block_sizes(pair, tmp_path, monkeypatch):
     last = rs[-1]
     assert sum(last.block_sizes.values()) == last.cycles and isinstance(last.fallback, bool)
     assert "blocks " in stats_line(last)
+    assert blocks_text({1: 40, 3: 6}, True, 8) == "blocks 1x40 3x6 (plain fallback, 8 shadow probes)"
+    assert blocks_text({3: 6}, False) == "blocks 3x6"
     capped = list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16,
                                     verify_mode="adaptive", block_size=3))
     assert [r.token for r in capped] == [r.token for r in rs] and max(capped[-1].block_sizes) <= 3

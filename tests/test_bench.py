@@ -74,9 +74,10 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
                 assert all(x >= y for x, y in zip(acc, acc[1:]))
                 assert r["tau"] == pytest.approx(1 + sum(acc))
                 assert r["tokens_per_s"] > 0 and r["speedup"] > 0
-                assert r["block_sizes"] == {4: r["cycles"]}
+                assert r["block_sizes"] == {4: r["cycles"]} and r["shadows"] == 0
             auto = res["DFlash 2 adaptive"]
             assert sum(auto["block_sizes"].values()) == auto["cycles"] and max(auto["block_sizes"]) <= 5
+            assert 0 <= auto["shadows"] <= auto["block_sizes"].get(1, 0)  # only plain steps carry one
     overall = report["results"]["overall"]["T=0"]["plain"]
     assert overall["runs"] == 3 and overall["tokens"] == sum(
         report["results"][b]["T=0"]["plain"]["tokens"] for b in ("alpha", "beta"))
@@ -85,7 +86,7 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "bench.md").read_text()
     assert "T=0 parity: all 9 DFlash outputs are identical" in md and "MISMATCH" not in md
-    assert "Block sizes chosen by the adaptive row" in md and "calibrated in" in md
+    assert "Block sizes chosen by the adaptive row" in md and "calibrated in" in md and "shadow probe" in md
     # The cycle breakdown of the last drafter at the fixed block size, in the report.
     cyc = report["cycle"]
     assert cyc["method"] == "DFlash 2" and cyc["block_size"] == 4 and cyc["tau"] >= 1.0

@@ -55,3 +55,19 @@ def test_tables_round_trip(tmp_path):
     assert [(s, n) for _, s, n in back] == [(3, 12), (4, 11)]
     for (a, _, _), (b, _, _) in zip(tables, back):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_shadow_probes_are_priced_and_bring_drafting_back():
+    # Drafts fail for the first 30 positions, then every one is accepted.
+    late = {b: np.concatenate([np.zeros(30), np.full(90, b - 1)]) for b in range(2, 5)}
+    make = lambda budget: lambda h: adaptive.Adaptive(COSTS, 4, adaptive.Acceptance.empty(3),
+                                                      shadow_budget=budget)
+    with_shadows = sim.run("", make(adaptive.SHADOW_BUDGET), [(late, 0, 120)], 100, COSTS, 0.0, False)
+    without = sim.run("", make(0), [(late, 0, 120)], 100, COSTS, 0.0, False)
+    assert with_shadows[2][1] < without[2][1] and with_shadows[1] > without[1]
+    # A drafter never right: the shadows cost about their budget's share of the plain steps.
+    never = table(0, length=200)
+    n, s_shadow, used = sim.replay(make(adaptive.SHADOW_BUDGET)(None), never, 0, 200, 150, COSTS, 0.0)
+    _, s_none, used_none = sim.replay(make(0)(None), never, 0, 200, 150, COSTS, 0.0)
+    assert used.keys() == used_none.keys() and used[1] > 100
+    assert 1.0 < s_shadow / s_none <= 1 + 1.2 * adaptive.SHADOW_BUDGET
