@@ -249,7 +249,10 @@ def ship(args):
                    "  template up to a user turn, sampled at T=1; one in five free-form, the rest from openers of the\n"
                    "  five forms; none sharing 13 words in a row with a benchmark prompt)")
     # T=1 serving drafts after sampled tokens; greedy responses alone never show the drafter such a context
-    sampled = f", the last {args.sampled} sampled at T=1" if args.sampled else ""
+    n_sampled = args.sampled
+    sampled = (f", the last {n_sampled[0]} sampled at T=1" if len(n_sampled) == 1 else
+               f", {sum(n_sampled)} sampled at T=1 (the last {' and '.join(map(str, n_sampled))} of the "
+               f"{len(n_sampled)} newest rounds)" if n_sampled else "")
     (dest / "README.md").write_text(f"""# {dest.name}: {name} drafter for SmolLM2-135M-Instruct
 
 Trained with `scripts/train_smollm2_drafters.sh` (see the repository README, "How the
@@ -371,7 +374,8 @@ def main():
     s.add_argument("--data", default=None)
     s.add_argument("--domain", action="store_true", help="The data ends with make_domain_prompts.py's prompts.")
     s.add_argument("--magpie", action="store_true", help="The data ends with make_magpie_prompts.py's prompts.")
-    s.add_argument("--sampled", type=int, default=0, help="The data's last N responses were sampled at T=1.")
+    s.add_argument("--sampled", type=int, nargs="*", default=[],
+                   help="Responses sampled at T=1: the last N of each data round that had some.")
     s.add_argument("--previous", action="append", default=[],
                    help="Earlier training phases of this drafter (run dirs), for its README.")
     s.add_argument("--eval", default=None,
