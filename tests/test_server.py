@@ -129,6 +129,7 @@ def test_chat_streaming_equals_generate(client, reference):
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == 11
     dflash = chunks[-1].model_extra["dflash"]  # the draft statistics ride with the usage
     assert sum(dflash["block_sizes"].values()) == dflash["cycles"] > 0 and "fallback" in dflash
+    assert 0 <= dflash["shadows"] <= dflash["block_sizes"].get("1", 0)
 
 
 def test_completions_equal_generate(client, reference):

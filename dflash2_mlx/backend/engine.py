@@ -84,6 +84,7 @@ class Chunk:
     fallback: bool = False  # adaptive speculation is decoding plain for now
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     engine: dict = field(default_factory=dict)  # how this request is decoded (ModelSettings.engine)
+    shadows: int = 0  # plain steps that carried a shadow probe (adaptive speculation)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Completion:
     fallback: bool = False
     cached_tokens: int = 0
     engine: dict = field(default_factory=dict)
+    shadows: int = 0
 
 
 class _Turns:
@@ -240,6 +242,7 @@ class _Joined:
             for i, v in enumerate(part):
                 out.position_accepted[i] += v
         out.fallback = st.fallback if st.cycles else b.fallback
+        out.shadows = b.shadows + st.shadows
         return out
 
 
@@ -694,7 +697,7 @@ class Engine:
                 st = j.stats(r.stats)
                 j.push(Chunk(content, j.finish, len(j.request.ids), j.n, calls, st.tau, st.cycles,
                              j.n / max(now - j.first, 1e-9), dict(sorted(st.block_sizes.items())),
-                             st.fallback, j.start.reused, j.engine))
+                             st.fallback, j.start.reused, j.engine, st.shadows))
             if j.finish:
                 ended.append(r.uid)
         for uid in ended:
@@ -794,7 +797,7 @@ class Engine:
                 if content or calls or finish:
                     push(Chunk(content, finish, n_prompt, n, calls, last.tau, last.cycles,
                                last.generation_tps, last.block_sizes, last.fallback,
-                               start.reused, engine))
+                               start.reused, engine, last.shadows))
                 if finish:
                     break
                 yield
@@ -924,4 +927,4 @@ async def _collect(chunks: AsyncIterator[Chunk]) -> Completion:
     return Completion(text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
                       calls, last.tau, last.cycles, last.generation_tps,
                       block_sizes=last.block_sizes, fallback=last.fallback,
-                      cached_tokens=last.cached_tokens, engine=last.engine)
+                      cached_tokens=last.cached_tokens, engine=last.engine, shadows=last.shadows)

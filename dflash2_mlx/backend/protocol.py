@@ -160,7 +160,7 @@ def usage(c) -> dict:
 def dflash_stats(c) -> dict:
     """How a response was decoded (DFlash on/off, drafter, block size) and its draft statistics."""
     return {**c.engine, "tau": c.tau, "cycles": c.cycles, "block_sizes": c.block_sizes,
-            "fallback": c.fallback}
+            "fallback": c.fallback, "shadows": c.shadows}
 
 
 def chat_response(rid, model, completion) -> dict:
