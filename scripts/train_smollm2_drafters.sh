@@ -24,7 +24,7 @@ mkdir -p "$WORK"
 cd "$WORK"
 T="$HERE/train_smollm2_drafters.py"
 
-# A round of data (stages 7, 8 and 10): the first $2 prompts of the maker $1 (seed 1) in $3,
+# A round of data (stages 7, 8, 10 and 11): the first $2 prompts of the maker $1 (seed 1) in $3,
 # which starts as a copy of the previous round's $4 (the domain maker rewrites it: a smaller
 # --n is a prefix; the Magpie maker appends after it), answered by the target in $5, which
 # starts as a copy of the previous round's $6 so that its responses are kept (greedy; those
@@ -46,7 +46,7 @@ data_round() {
         python "$T" features "data-$new.jsonl" "features-$new.safetensors" --max-len 448 --batch 8
 }
 
-# A shipped run continued (stages 6 to 10) on the data $1 with the first records' features
+# A shipped run continued (stages 6 to 11) on the data $1 with the first records' features
 # and those of the later rounds ($6...), the last 64 records held out (never trained on;
 # held-out figures every 50 steps in the log): the run $2 from $3/final, $4 steps at lr
 # 1e-3, seed $5.
@@ -155,20 +155,32 @@ cat data-all8.jsonl data-m2new.jsonl > data-all9.jsonl
 continue_run data-all9.jsonl run-s9 run-s8 500 9 features-d.safetensors features-d2.safetensors \
     features-d3.safetensors features-m1.safetensors features-m2new.safetensors
 
-# 11. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
+# 11. 1024 more prompts the target wrote itself (the maker's first 3072 with seed 1; the first
+#    2048 are prompts-m2.jsonl: 24 min, partly shared), their responses, the first 384 greedy
+#    (73k tokens: 12 min at 99 tok/s) and the last 640 sampled at T=1 (124k tokens: 22 min at
+#    93 tok/s; a larger T=1 share than stage 10's half), features (16 min), then run-s9
+#    continued on all records with the last 64 of the new ones held out (500 steps at lr 1e-3,
+#    both BLAS threads on an otherwise quiet CPU: 34 min).
+data_round make_magpie_prompts.py 3072 prompts-m3.jsonl prompts-m2.jsonl data-m3.jsonl data-m2.jsonl m3new 2432
+cat run-s9/data-clean.jsonl data-m3new.jsonl > data-all10.jsonl
+continue_run data-all10.jsonl run-s10 run-s9 500 10 features-d.safetensors features-d2.safetensors \
+    features-d3.safetensors features-m1.safetensors features-m2new.safetensors features-m3new.safetensors
+
+# 12. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
 #    evaluation on the five sets in its README, and compare the shipped copies' offline tau
 #    with the fp32 runs.
 DEST="$HERE/../dflash2_mlx/drafters"
 B="$HERE/../dflash2_mlx/bench_data"
 SETS=(-b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" -b "$B/mt_bench.jsonl")
 python "$T" ship run-v1/final "$DEST/smollm2-135m-dflash1" --bits 8 --data data-first.jsonl
-SHIP=(--bits 8 --data run-s9/data-clean.jsonl --previous run-s4/final --previous run-s5/final --previous run-s6/final
-      --previous run-s7/final --previous run-s8/final --domain --magpie --sampled 512)
-python "$T" ship run-s9/final shipped-s9 "${SHIP[@]}"
-python "$T" ship run-s8/final shipped-s8 --bits 8 --data run-s8/data-clean.jsonl --previous run-s4/final \
-    --previous run-s5/final --previous run-s6/final --previous run-s7/final --domain --magpie
-dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s8 -d this=shipped-s9 "${SETS[@]}" \
-    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s9
-python "$T" ship run-s9/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s9 \
-    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s8 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
-python "$T" check run-s9/data-clean.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s9/final "$DEST/smollm2-135m-dflash2"
+SHIP=(--bits 8 --data data-all10.jsonl --previous run-s4/final --previous run-s5/final --previous run-s6/final
+      --previous run-s7/final --previous run-s8/final --previous run-s9/final --domain --magpie --sampled 512 640)
+python "$T" ship run-s10/final shipped-s10 "${SHIP[@]}"
+python "$T" ship run-s9/final shipped-s9 --bits 8 --data run-s9/data-clean.jsonl --previous run-s4/final \
+    --previous run-s5/final --previous run-s6/final --previous run-s7/final --previous run-s8/final --domain --magpie \
+    --sampled 512
+dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s9 -d this=shipped-s10 "${SETS[@]}" \
+    --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s10
+python "$T" ship run-s10/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s10 \
+    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s9 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
+python "$T" check data-all10.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s10/final "$DEST/smollm2-135m-dflash2"
