@@ -287,3 +287,15 @@ def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
     if params.greedy:
         return tokens, None
     return tokens, drafter.full_rows(rows.astype(mx.float32), cand)
+
+
+def first_row(drafter: Drafter, hidden: mx.array, anchor: mx.array, params) -> mx.array:
+    """The row [V] that ``propose`` would draw block position 1 from (temperature > 0),
+    without drawing: position 1 follows only the anchor, so the walk's uniform is moot."""
+    h = hidden[0, 1:2]
+    logits = drafter.logits(h)
+    if drafter.version == 1:
+        return drafter.full_rows(sampling.probs(sampling.log_softmax(logits), params))[0]
+    cand, _, rows = drafter.candidate_selector(logits, h, anchor, params.temp, mx.zeros((1,)),
+                                               vocab=drafter.vocab)
+    return drafter.full_rows(rows.astype(mx.float32), cand)[0]

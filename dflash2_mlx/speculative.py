@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from . import adaptive
 from .draft_context import DraftContext
-from .drafter import Drafter, propose
+from .drafter import Drafter, first_row, propose
 from .sampling import (SamplingParams, probs, processed_logits, processed_logprobs, sample,
                        verify_greedy, verify_sampled)
 from .target import Target, rollback, snapshot
@@ -68,12 +68,13 @@ def shadow_chance(drafter: Drafter, context: DraftContext, token: mx.array, step
                   params: SamplingParams) -> mx.array:
     """The chance that a block-2 draft anchored at ``token`` would have been accepted,
     against the plain step ``step`` (token, logprobs) that follows it: 0 or 1 at T=0, else
-    sum(min(p, q)) at position 1.  Only the policy reads it, so the output is unchanged."""
+    sum(min(p, q)) at position 1.  Only the policy reads it, and it draws nothing from the
+    random stream, so the output is unchanged, seeded sampling included."""
     block = mx.concatenate([token.astype(mx.int32), mx.array([drafter.config.mask_token_id])])
-    draft, q = propose(drafter, drafter(block[None], context.fed()), token[0], params)
+    hidden = drafter(block[None], context.fed())
     if params.greedy:
-        return (draft[0] == step[0][0]).astype(mx.float32)
-    return mx.minimum(probs(step[1][None], params)[0], q[0]).sum()
+        return (propose(drafter, hidden, token[0], params)[0][0] == step[0][0]).astype(mx.float32)
+    return mx.minimum(probs(step[1][None], params)[0], first_row(drafter, hidden, token[0], params)).sum()
 
 
 def speculative_generate_step(

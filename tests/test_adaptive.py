@@ -203,6 +203,19 @@ def test_block_size_changing_keeps_greedy_parity(pair, family):
         assert out == ref
 
 
+def test_shadow_probes_leave_seeded_sampling_alone(pair):
+    """The same seed gives the same sampled text with and without shadow probes."""
+    model, tok, drafter = pair["qwen3"]
+    prompt = tok.encode("abcab dcba")
+    unshadowed = Scripted(SCRIPT)
+    unshadowed.shadow = lambda: False
+    outs = []
+    for policy in (Scripted(SCRIPT), unshadowed):
+        mx.random.seed(11)
+        outs.append(run(model, drafter, prompt, 40, policy, SamplingParams(temp=1.0)))
+    assert outs[0][0] == outs[1][0] and outs[0][1].shadows > 2 and outs[1][1].shadows == 0
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_pipelined_plain_steps_stop_where_asked(pair, family):
     """Block 1 runs pipelined plain steps (a step is built before the last one is read):
@@ -357,7 +370,12 @@ def test_shadow_chance_is_a_block_2_drafts_acceptance(tmp_path, version):
     token = prompt[-1:]
     logits, _ = target(prompt[None], target.make_cache())
     logprobs = log_softmax(logits[0, -1:].astype(mx.float32))
-    chance = shadow_chance(drafter, context, token, (sample(logprobs, params), logprobs[0]), params).item()
+    step = (sample(logprobs, params), logprobs[0])
+    mx.random.seed(123)
+    chance = shadow_chance(drafter, context, token, step, params).item()
+    after = mx.random.uniform(shape=(4,))
+    mx.random.seed(123)
+    assert mx.array_equal(after, mx.random.uniform(shape=(4,))).item()  # draws nothing
     # The verify pass's own first row is the same plain step's row.
     hidden = drafter(mx.array([[int(token[0]), drafter.config.mask_token_id]]), context.fed())
     n, hits = 3000, 0
