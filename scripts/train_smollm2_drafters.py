@@ -249,10 +249,12 @@ def ship(args):
                    "  template up to a user turn, sampled at T=1; one in five free-form, the rest from openers of the\n"
                    "  five forms; none sharing 13 words in a row with a benchmark prompt)")
     # T=1 serving drafts after sampled tokens; greedy responses alone never show the drafter such a context
-    n_sampled = args.sampled
-    sampled = (f", the last {n_sampled[0]} sampled at T=1" if len(n_sampled) == 1 else
-               f", {sum(n_sampled)} sampled at T=1 (the last {' and '.join(map(str, n_sampled))} of the "
-               f"{len(n_sampled)} newest rounds)" if n_sampled else "")
+    sampled = ""
+    if len(args.sampled) == 1:
+        sampled = f", the last {args.sampled[0]} sampled at T=1"
+    elif args.sampled:
+        sampled = (f", {sum(args.sampled)} sampled at T=1 (the last {' and '.join(map(str, args.sampled))} "
+                   f"of the {len(args.sampled)} newest rounds)")
     (dest / "README.md").write_text(f"""# {dest.name}: {name} drafter for SmolLM2-135M-Instruct
 
 Trained with `scripts/train_smollm2_drafters.sh` (see the repository README, "How the
