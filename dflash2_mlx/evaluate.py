@@ -89,17 +89,16 @@ class Tally:
         return out
 
 
-def offline_hits(target: Target, drafter, ids: List[int], start: int, block_size: int,
-                 top_k: int, max_anchors: Optional[int] = None, chunk: int = 32, seed: int = 0,
-                 feats: Optional[mx.array] = None):
-    """(hit1, hitk, hitsel) [N, B-1] booleans over the full-block anchors of one sequence
-    (``feats``: its target features, when the caller already has them)."""
+def drafted_blocks(target: Target, drafter, ids: List[int], start: int, block_size: int,
+                   top_k: int, max_anchors: Optional[int] = None, chunk: int = 32, seed: int = 0,
+                   feats: Optional[mx.array] = None):
+    """Yield, per chunk of the full-block anchors of one sequence, (labels, cand, scores):
+    the true tokens [N, B-1], the drafter's top-k candidate ids [N, B-1, k] by descending
+    logit and, for DFlash 2, the selector's pair scores over its top candidates (else None)."""
     feats = target_features(target, [ids]) if feats is None else feats
     rng = np.random.default_rng(seed)
     seq, anchors = objective.sample_anchors(rng, [start], [len(ids)], max_anchors or len(ids),
                                             full_blocks=block_size)
-    T = block_size - 1
-    out1, outk, outs = [], [], []
     for i in range(0, len(anchors), chunk):
         blocks = objective.make_blocks([ids], feats, seq[i : i + chunk], anchors[i : i + chunk],
                                        block_size, drafter.config.mask_token_id)
@@ -107,16 +106,30 @@ def offline_hits(target: Target, drafter, ids: List[int], start: int, block_size
         logits = drafter.logits(hidden)
         order = mx.argsort(-logits, axis=-1)[..., :top_k]
         cand = drafter.token_ids(order)
-        labels = blocks.labels
-        out1.append(np.array(cand[..., 0] == labels))
-        outk.append(np.array((cand == labels[..., None]).any(axis=-1)))
+        scores = None
         if drafter.version == 2:
             sel = drafter.candidate_selector
-            c = cand[..., : sel.top_k]
             scores = pair_scores_reference(
-                mx.take_along_axis(logits, order[..., : sel.top_k], axis=-1), c, sel.hidden_projection(hidden),
-                blocks.block_ids[:, 0], sel.predecessor_codebook, sel.successor_codebook)
+                mx.take_along_axis(logits, order[..., : sel.top_k], axis=-1), cand[..., : sel.top_k],
+                sel.hidden_projection(hidden), blocks.block_ids[:, 0], sel.predecessor_codebook,
+                sel.successor_codebook)
+        yield blocks.labels, cand, scores
+
+
+def offline_hits(target: Target, drafter, ids: List[int], start: int, block_size: int,
+                 top_k: int, max_anchors: Optional[int] = None, chunk: int = 32, seed: int = 0,
+                 feats: Optional[mx.array] = None):
+    """(hit1, hitk, hitsel) [N, B-1] booleans over the full-block anchors of one sequence
+    (``feats``: its target features, when the caller already has them)."""
+    T = block_size - 1
+    out1, outk, outs = [], [], []
+    for labels, cand, scores in drafted_blocks(target, drafter, ids, start, block_size, top_k,
+                                               max_anchors, chunk, seed, feats):
+        out1.append(np.array(cand[..., 0] == labels))
+        outk.append(np.array((cand == labels[..., None]).any(axis=-1)))
+        if scores is not None:
             path, _ = walk_reference(scores)
+            c = cand[..., : scores.shape[-1]]
             drafted = mx.take_along_axis(c, path[..., None], axis=-1)[..., 0]
             outs.append(np.array(drafted == labels))
     if not out1:

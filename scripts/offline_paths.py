@@ -17,24 +17,19 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash2_mlx.evaluate import greedy_responses, leading, load_benches
+from dflash2_mlx.evaluate import drafted_blocks, greedy_responses, leading, load_benches
 from dflash2_mlx.generate import load
-from dflash2_mlx.selector import pair_scores_reference
+from dflash2_mlx.selector import walk_reference
 from dflash2_mlx.target import attach
-from dflash2_mlx.train import objective
-from dflash2_mlx.train.features import target_features
 
 SETS = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "bench_data"
 
 
 def walk_from(scores, first):
-    """Greedy walk with position 1's candidate index given: [N, T] indices."""
-    prev, path = first, [first]
-    for t in range(1, scores.shape[1]):
-        row = mx.take_along_axis(scores[:, t], prev[:, None, None], axis=1)[:, 0]
-        prev = mx.argmax(row, axis=-1).astype(mx.int32)
-        path.append(prev)
-    return mx.stack(path, axis=1)
+    """The greedy walk with position 1's candidate index ``first`` [N] imposed."""
+    keep = (mx.arange(scores.shape[-1]) == first[:, None])[:, None, None, :]
+    forced = mx.concatenate([mx.where(keep, scores[:, :1], -mx.inf), scores[:, 1:]], axis=1)
+    return walk_reference(forced)[0]
 
 
 def viterbi(scores):
@@ -84,27 +79,17 @@ def main():
     totals, blocks = {}, 0
     for bench, prompts in load_benches(sorted(SETS.glob("*.jsonl")), args.limit).items():
         for i, (ids, start) in enumerate(greedy_responses(model, tok, prompts, args.max_tokens)):
-            seq, anchors = objective.sample_anchors(np.random.default_rng(i), [start], [len(ids)],
-                                                    len(ids), full_blocks=B)
-            batch = objective.make_blocks([ids], target_features(target, [ids]), seq, anchors, B,
-                                          drafter.config.mask_token_id)
-            hidden = objective.block_forward(drafter, batch)[:, 1:]
-            logits = drafter.logits(hidden)
-            order = mx.argsort(-logits, axis=-1)[..., : sel.top_k]
-            cand = drafter.token_ids(order)
-            scores = pair_scores_reference(mx.take_along_axis(logits, order, axis=-1), cand,
-                                           sel.hidden_projection(hidden), batch.block_ids[:, 0],
-                                           sel.predecessor_codebook, sel.successor_codebook)
-            right = lambda path: leading(np.array(
-                mx.take_along_axis(cand, path[..., None], axis=-1)[..., 0] == batch.labels))
-            firsts = mx.argsort(-scores[:, 0, 0], axis=-1).astype(mx.int32)
-            walks = [right(walk_from(scores, firsts[:, j])) for j in range(args.paths)]
-            rows = {"selector walk": walks[0], "Viterbi": right(viterbi(scores)),
-                    **{f"best of {n} walks": np.max(walks[:n], axis=0) for n in range(2, args.paths + 1)},
-                    "oracle top-16": leading(np.array((cand == batch.labels[..., None]).any(-1)))}
-            for name, accepted in rows.items():
-                totals[name] = totals.get(name, 0) + int(accepted.sum()) + len(accepted)
-            blocks += len(walks[0])
+            for labels, cand, scores in drafted_blocks(target, drafter, ids, start, B, sel.top_k, seed=i):
+                right = lambda path: leading(np.array(
+                    mx.take_along_axis(cand, path[..., None], axis=-1)[..., 0] == labels))
+                firsts = mx.argsort(-scores[:, 0, 0], axis=-1).astype(mx.int32)
+                walks = [right(walk_from(scores, firsts[:, j])) for j in range(args.paths)]
+                rows = {"selector walk": walks[0], "Viterbi": right(viterbi(scores)),
+                        **{f"best of {n} walks": np.max(walks[:n], axis=0) for n in range(2, args.paths + 1)},
+                        "oracle top-16": leading(np.array((cand == labels[..., None]).any(-1)))}
+                for name, accepted in rows.items():
+                    totals[name] = totals.get(name, 0) + int(accepted.sum()) + len(accepted)
+                blocks += len(walks[0])
         print(f"after {bench}: " + ", ".join(f"{k} {v / blocks:.3f}" for k, v in totals.items()), flush=True)
     print(f"\nτ at block {B}, T=0, over {blocks} blocks:")
     for name, total in totals.items():
