@@ -7,12 +7,15 @@ recurrent caches (linear-attention layers of qwen3_5 / qwen3_next) cannot be, so
 they are restored from a snapshot taken before verification and the accepted
 tokens are replayed through the target.  So are sliding-window caches once a verify pass
 reaches their window (it drops the oldest rows a trim would have to bring back).
+A pass over a few rows on the CPU splits its products over two streams (``cpu_split``).
 """
 
 from typing import Callable, List, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+from . import cpu_split
 
 
 class UnsupportedTargetError(ValueError):
@@ -83,6 +86,7 @@ class Target:
             if not type(layer).__name__.startswith("Tapped"):
                 layer.__class__ = _capturing(type(layer))
             object.__setattr__(layer, "_dflash_tap", (self._taps, slot))
+        cpu_split.install(model)
 
     def embed(self, ids):
         return self.embed_tokens(ids) * self.embed_scale
@@ -116,8 +120,11 @@ class Target:
         """Logits [1, L, V] and tapped features [1, L, n * H] for ``ids`` [1, L]."""
         for slot, i in enumerate(self.layer_ids):
             object.__setattr__(self.layers[i], "_dflash_tap", (self._taps, slot))
-        logits = self.model(ids, cache=cache)
-        features = mx.concatenate([t.astype(mx.float32) for t in self._taps], axis=-1)
+        with cpu_split.rows(ids.size) as split:
+            logits = self.model(ids, cache=cache)
+            features = mx.concatenate([t.astype(mx.float32) for t in self._taps], axis=-1)
+            if split:
+                mx.eval(logits, features)
         self._taps[:] = [None] * len(self._taps)
         return logits, features
 
