@@ -4,7 +4,8 @@ A verify pass multiplies a few rows (one block, or one row per sequence of a bat
 weight matrix.  OpenBLAS runs such small-M products as sgemms that hardly use a second
 thread, while a 1-row product (a plain decode step) uses both cores: on a 2-core x86 a 5-row
 pass of SmolLM2-135M costs 1.55x a 1-row one.  With each product's output columns split in
-halves, computed on two CPU streams with one BLAS thread each, it costs about 1.25x.
+halves, computed on two CPU streams with one BLAS thread each, it costs about 1.3x.
+(Measured with two BLAS threads only; with more, the two streams still run one each.)
 
 Only the target's float32 Linear layers and its tied LM head are split, and only while a
 pass over 2..MAX_ROWS rows runs (``rows``); the BLAS thread count is restored after it, so

@@ -53,28 +53,35 @@ def test_split_pass_matches_the_unsplit_one(tmp_path, blas, monkeypatch, family)
     if family == "qwen2":
         assert isinstance(model.model.embed_tokens, cpu_split.SplitEmbedding)
     threads = get()
+    products = []  # the products computed split
+    split_product = cpu_split._product
+    monkeypatch.setattr(cpu_split, "_product", lambda x, w: (products.append(w.shape),
+                                                             split_product(x, w))[1])
 
     def run(ids, split: bool):
-        """Logits and features of a pass over ``ids`` after a prompt; the counts set."""
+        """Logits and features of a pass over ``ids`` after a prompt; the thread counts set
+        and the products computed split during that pass."""
         monkeypatch.setenv("DFLASH2_MLX_CPU_SPLIT", "1" if split else "0")
         cache = target.make_cache()
         target(mx.array([tok.encode("abc dab ")]), cache)
-        calls.clear()
+        calls.clear(), products.clear()
         logits, features = target(mx.array([ids]), cache)
         return mx.concatenate([logits, features], axis=-1), list(calls)
 
     block = tok.encode("cab a")  # 5 rows: split
     split, set_during = run(block, True)
     assert set_during == [1, threads] and get() == threads  # one thread while it ran, then restored
+    heads = [s for s in products if s[0] == target.vocab_size]
+    assert len(products) >= 4 * len(model.layers) and len(heads) == 1  # every layer, and the head
     plain, _ = run(block, False)
     assert mx.allclose(split, plain, atol=1e-4).item() and not cpu_split._here.active
     vocab = target.vocab_size
     assert mx.array_equal(split[..., :vocab].argmax(-1), plain[..., :vocab].argmax(-1)).item()
     one, set_during = run(block[:1], True)  # a plain step: computed as before, bit for bit
-    assert set_during == [] and mx.array_equal(one, run(block[:1], False)[0]).item()
+    assert set_during == products == [] and mx.array_equal(one, run(block[:1], False)[0]).item()
     long = tok.encode("abcd " * 4)[: cpu_split.MAX_ROWS + 1]  # past MAX_ROWS: as before
     out, set_during = run(long, True)
-    assert set_during == [] and mx.array_equal(out, run(long, False)[0]).item()
+    assert set_during == products == [] and mx.array_equal(out, run(long, False)[0]).item()
 
 
 def test_threads_are_restored_when_a_pass_fails(blas):
