@@ -68,18 +68,16 @@ def enabled() -> bool:
     return _blas is not None and os.environ.get("DFLASH2_MLX_CPU_SPLIT", "1") != "0"
 
 
-def install(model) -> bool:
+def install(model):
     """Let the float32 Linear layers (and a tied LM head) of ``model`` split their products
-    inside ``rows``; outside it they compute exactly as before.  True if any was."""
+    inside ``rows``; outside it they compute exactly as before."""
     if not enabled():
-        return False
-    swapped = False
+        return
     for _, m in model.named_modules():
         if type(m) in (nn.Linear, SplitLinear) and m.weight.dtype == mx.float32:
-            m.__class__, swapped = SplitLinear, True
+            m.__class__ = SplitLinear
         elif type(m) in (nn.Embedding, SplitEmbedding) and m.weight.dtype == mx.float32:
             m.__class__ = SplitEmbedding  # used only where the model ties its LM head
-    return swapped
 
 
 @contextmanager
