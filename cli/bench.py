@@ -24,6 +24,7 @@ def bench(
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Block size of the fixed-block rows (default 5, at most the drafters' trained size)."),
     sweep: List[int] = typer.Option([], "--sweep", help="More fixed block sizes for the DFlash 2 drafter (repeat), to compare the adaptive row with the best fixed one."),
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="Add a row running the DFlash 2 drafter with adaptive speculation (block size auto)."),
+    copies: bool = typer.Option(True, "--copies/--no-copies", help="Add the DFlash 2 fixed and adaptive rows again with copies where the sequence repeats itself (generate's default; the other rows draft every block)."),
     temps: List[float] = typer.Option([0.0, 1.0], "--temp", help="Temperatures; repeat."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target directory or hub id. Default: the built-in SmolLM2-135M-Instruct (then the drafters default to the shipped ones)."),
     drafter_v2: Optional[str] = typer.Option(None, "--drafter-v2", help="DFlash 2 drafter. Default with the built-in target: the shipped one."),
@@ -73,7 +74,7 @@ def bench(
     benches = sample_prompts(bench_files, samples, seed)
     try:
         report = run_bench(target, tokenizer, drafters, benches, temps=temps, max_tokens=max_tokens,
-                           block_size=block_size, adaptive=adaptive, seed=seed, sweep=sweep,
+                           block_size=block_size, adaptive=adaptive, seed=seed, sweep=sweep, copies=copies,
                            log=lambda s: typer.echo(s, err=True))
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)

@@ -50,6 +50,7 @@ def generate(
     draft_bits: Optional[int] = typer.Option(None, "--draft-bits", help="Quantize the drafter's weights to 2, 4 or 8 bits."),
     draft_group_size: int = typer.Option(64, "--draft-group-size", help="Group size for --draft-bits (32, 64 or 128)."),
     draft_activation_bits: int = typer.Option(32, "--draft-activation-bits", help="Drafter activation precision: 32 (fp32) or 16 (bf16)."),
+    copies: bool = typer.Option(True, "--copies/--no-copies", help="Where the text repeats itself (names, numbers, code, loops), verify a copy of what followed the repeated tokens before instead of a draft (no drafter pass); --no-copies drafts every block."),
     verify_mode: str = typer.Option("dflash", "--verify-mode", help="'dflash' (speculative), 'adaptive' (block size 'auto', a --block-size number is the largest) or 'off' (plain decoding)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     ignore_chat_template: bool = typer.Option(
@@ -80,7 +81,7 @@ def generate(
         for last in stream_generate(
                 target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,
                 top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size,
-                verify_mode=verify_mode, seed=seed, draft_window=draft_window):
+                verify_mode=verify_mode, seed=seed, draft_window=draft_window, lookup=copies):
             typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:
         typer.echo(("\n" if last is not None else "") + f"error: {e}", err=True)

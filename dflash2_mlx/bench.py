@@ -4,7 +4,9 @@ For every sampled prompt and temperature the methods run back to back in one pro
 (so a busy machine slows them alike): plain ``mlx_lm.stream_generate``, then each
 drafter through ``dflash2_mlx.stream_generate`` at a fixed block size, then the last
 drafter (DFlash 2) again with adaptive speculation (block size "auto"; its histogram of
-chosen block sizes is in the report).  Per method and temperature the report
+chosen block sizes is in the report).  Those rows draft every block with the drafter
+(they compare drafters); the "+ copies" rows run the same fixed and adaptive blocks as
+``generate`` does by default, copying where the sequence repeats itself (``lookup.py``).  Per method and temperature the report
 has tau (accepted draft tokens + the bonus token, per cycle), generation tok/s (tokens
 after the first over the time after the first, as mlx-lm counts them), the speed-up over
 plain decoding at the same temperature, and the per-position acceptance rate.  At T=0
@@ -57,19 +59,19 @@ def run_plain(model, tokenizer, ids: List[int], temp: float, max_tokens: int, se
 
 
 def run_dflash(model, tokenizer, drafter, ids: List[int], temp: float, max_tokens: int,
-               block_size, seed: int) -> dict:
+               block_size, seed: int, lookup: bool = False) -> dict:
     """One DFlash run through the public ``stream_generate``: tokens, timing, draft stats."""
     from .generate import stream_generate
 
     tokens, last = [], None
     for last in stream_generate(model, tokenizer, ids, drafter, max_tokens=max_tokens,
-                                temp=temp, block_size=block_size, seed=seed):
+                                temp=temp, block_size=block_size, seed=seed, lookup=lookup):
         tokens.append(int(last.token))
     out = _run(tokens, last)
     out.update(cycles=last.cycles if last else 0,
                acceptance_counts=list(last.acceptance_counts) if last else [],
                block_sizes=dict(last.block_sizes) if last else {},
-               shadows=last.shadows if last else 0)
+               shadows=last.shadows if last else 0, copies=last.copies if last else 0)
     return out
 
 
@@ -105,7 +107,7 @@ class Tally:
     """Tokens, time, cycles and per-position acceptance that add up over runs."""
 
     def __init__(self):
-        self.tokens, self.seconds, self.cycles, self.runs, self.shadows = 0, 0.0, 0, 0, 0
+        self.tokens, self.seconds, self.cycles, self.runs, self.shadows, self.copies = 0, 0.0, 0, 0, 0, 0
         self.positions: List[int] = []
         self.block_sizes: Dict[int, int] = {}
 
@@ -115,6 +117,7 @@ class Tally:
         self.seconds += run["seconds"]
         self.cycles += run.get("cycles", 0)
         self.shadows += run.get("shadows", 0)
+        self.copies += run.get("copies", 0)
         counts = run.get("acceptance_counts", [])
         if len(counts) > len(self.positions):
             self.positions += [0] * (len(counts) - len(self.positions))
@@ -126,7 +129,7 @@ class Tally:
     def merge(self, other: "Tally"):
         self.add({"generation_tokens": other.tokens, "seconds": other.seconds,
                   "cycles": other.cycles, "acceptance_counts": other.positions,
-                  "block_sizes": other.block_sizes, "shadows": other.shadows})
+                  "block_sizes": other.block_sizes, "shadows": other.shadows, "copies": other.copies})
         self.runs += other.runs - 1
 
     def result(self) -> dict:
@@ -135,7 +138,8 @@ class Tally:
         if self.cycles:
             out.update(cycles=self.cycles, tau=(sum(self.positions) + self.cycles) / self.cycles,
                        acceptance_by_position=[c / self.cycles for c in self.positions],
-                       block_sizes=dict(sorted(self.block_sizes.items())), shadows=self.shadows)
+                       block_sizes=dict(sorted(self.block_sizes.items())), shadows=self.shadows,
+                       copies=self.copies)
         return out
 
 
@@ -156,26 +160,31 @@ def warm_up(model, tokenizer, runs: Dict[str, tuple]):
     calibration (once per pair and machine, then cached) are not timed."""
     ids = tokenizer.encode("Hello")
     run_plain(model, tokenizer, ids, 0.0, 4, 0)
-    for d, block_size in runs.values():
-        run_dflash(model, tokenizer, d, ids, 0.0, 4, block_size, 0)
+    for d, block_size, lookup in runs.values():
+        run_dflash(model, tokenizer, d, ids, 0.0, 4, block_size, 0, lookup)
 
 
 def dflash_runs(drafters: Dict[str, object], block_size: Optional[int], adaptive: bool,
-                sweep: Sequence[int] = ()) -> Dict[str, tuple]:
-    """{method: (drafter, block size)}: each drafter at the fixed block size, the last one
-    (DFlash 2) also at each ``sweep`` size as "<label> block b" and with block size "auto"
-    as "<label> adaptive"."""
+                sweep: Sequence[int] = (), copies: bool = True) -> Dict[str, tuple]:
+    """{method: (drafter, block size, lookup)}: each drafter at the fixed block size, the
+    last one (DFlash 2) also at each ``sweep`` size as "<label> block b" and with block
+    size "auto" as "<label> adaptive", all drafting every block; with ``copies``, its
+    fixed and adaptive rows again copying where the sequence repeats ("... + copies")."""
     fixed = block_size or FIXED_BLOCK
-    runs = {k: (d, min(fixed, d.config.block_size)) for k, d in drafters.items()}
+    runs = {k: (d, min(fixed, d.config.block_size), False) for k, d in drafters.items()}
     if drafters:
         label = list(drafters)[-1]
         for b in sorted(set(sweep) - {runs[label][1]}):
             if not 1 <= b <= drafters[label].config.block_size:
                 raise ValueError(f"sweep block size {b} is impossible for the {label} drafter: "
                                  f"use 1..{drafters[label].config.block_size}")
-            runs[f"{label} block {b}"] = (drafters[label], b)
+            runs[f"{label} block {b}"] = (drafters[label], b, False)
         if adaptive:
-            runs[f"{label} adaptive"] = (drafters[label], "auto")
+            runs[f"{label} adaptive"] = (drafters[label], "auto", False)
+        if copies:
+            runs[f"{label} + copies"] = (drafters[label], runs[label][1], True)
+            if adaptive:
+                runs[f"{label} adaptive + copies"] = (drafters[label], "auto", True)
     return runs
 
 
@@ -192,7 +201,8 @@ def best_fixed(overall: dict, label: str, adaptive_run: str) -> Optional[tuple]:
 def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, list], *,
               temps: Sequence[float] = (0.0, 1.0), max_tokens: int = 64,
               block_size: Optional[int] = None, adaptive: bool = True, seed: int = 0,
-              sweep: Sequence[int] = (), log: Optional[Callable[[str], None]] = None) -> dict:
+              sweep: Sequence[int] = (), log: Optional[Callable[[str], None]] = None,
+              copies: bool = True) -> dict:
     """Run plain decoding and every drafter on every prompt at every temperature.
 
     ``drafters``: {label: Drafter}, run at ``block_size`` (default 5), the last also
@@ -200,12 +210,12 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
     from .train.data import encode
 
     say = log or (lambda s: None)
-    runs = dflash_runs(drafters, block_size, adaptive, sweep)
+    runs = dflash_runs(drafters, block_size, adaptive, sweep, copies)
     methods = [PLAIN, *runs]
     temp_keys = [f"T={t:g}" for t in temps]
     report = {
         "config": {"temps": list(temps), "max_tokens": max_tokens,
-                   "block_size": block_size or FIXED_BLOCK, "adaptive": adaptive, "seed": seed, "benches": {b: len(p) for b, p in benches.items()},
+                   "block_size": block_size or FIXED_BLOCK, "adaptive": adaptive, "copies": copies, "seed": seed, "benches": {b: len(p) for b, p in benches.items()},
                    "drafters": {k: {"version": d.version, "trained_block_size": d.config.block_size,
                                     "layers": d.config.num_hidden_layers}
                                 for k, d in drafters.items()}},
@@ -232,8 +242,8 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
                 plain = run_plain(model, tokenizer, ids, temp, max_tokens, run_seed)
                 tallies[bench][tk][PLAIN].add(plain)
                 line = [f"plain {_rate(plain)}"]
-                for name, (drafter, bs) in runs.items():
-                    run = run_dflash(model, tokenizer, drafter, ids, temp, max_tokens, bs, run_seed)
+                for name, (drafter, bs, lookup) in runs.items():
+                    run = run_dflash(model, tokenizer, drafter, ids, temp, max_tokens, bs, run_seed, lookup)
                     tallies[bench][tk][name].add(run)
                     tau = (sum(run["acceptance_counts"]) + run["cycles"]) / max(run["cycles"], 1)
                     line.append(f"{name} {_rate(run)} tau {tau:.2f}")
@@ -271,7 +281,7 @@ def _costs(model, runs) -> Optional[dict]:
     from . import adaptive
     from .target import attach
 
-    auto = [d for d, bs in runs.values() if bs == "auto"]
+    auto = [d for d, bs, _ in runs.values() if bs == "auto"]
     return adaptive.cost_model(attach(model, auto[0]), auto[0]).to_json() if auto else None
 
 
@@ -297,7 +307,9 @@ def markdown(report: dict) -> str:
         lines += [f"T=0 parity: all {report['t0_checked']} DFlash outputs are identical to plain "
                   "decoding, token for token.", ""]
     bs = f"fixed block size {cfg['block_size']}" + (
-        "; the adaptive row chooses every cycle (block size auto)" if cfg.get("adaptive") else "")
+        "; the adaptive rows choose every cycle (block size auto)" if cfg.get("adaptive") else "") + (
+        "; \"+ copies\" rows copy where the sequence repeats itself (as generate does), the "
+        "others draft every block" if cfg.get("copies") else "")
     lines += [f"{n} prompts ({', '.join(f'{b} {k}' for b, k in cfg['benches'].items())}), "
               f"max {cfg['max_tokens']} tokens, {bs}, seed {cfg['seed']}.", "",
               "## Overall", "",
@@ -333,14 +345,17 @@ def markdown(report: dict) -> str:
             lines.append(f"| {p + 1} | " + " | ".join(
                 _fmt(cols[m][p], ".3f") if p < len(cols[m]) else "" for m in drafted) + " |")
     chosen = [(m, t, overall[t][m]["block_sizes"]) for m in drafted for t in temps
-              if m.endswith("adaptive") and overall[t][m].get("block_sizes")]
+              if " adaptive" in m and overall[t][m].get("block_sizes")]
     if chosen:
-        lines += ["", "## Block sizes chosen by the adaptive row (cycles; 1 = plain decode step)", "",
-                  "| method | temperature | block sizes | plain steps with a shadow probe |", "|---|---|---|---|"]
+        lines += ["", "## Block sizes chosen by the adaptive rows (cycles; 1 = plain decode step)", "",
+                  "| method | temperature | block sizes | plain steps with a shadow probe | copies |",
+                  "|---|---|---|---|---|"]
         for m, t, hist in chosen:
             lines.append(f"| {m} | {t} | " + ", ".join(f"{b}: {c}" for b, c in hist.items())
-                         + f" | {overall[t][m].get('shadows', 0)} |")
+                         + f" | {overall[t][m].get('shadows', 0)} | {overall[t][m].get('copies', 0)} |")
         for m, t, _ in chosen:
+            if not m.endswith(" adaptive"):
+                continue
             best = best_fixed(overall[t], m[: -len(" adaptive")], m)
             if best and len([x for x in methods if x.startswith(m[: -len(" adaptive")])]) > 2:
                 lines.append(f"\n{t}: {m} runs at {best[2]:.2f}x the best fixed block size "

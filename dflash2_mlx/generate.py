@@ -40,6 +40,8 @@ class GenerationResponse:
     block_sizes: Dict[int, int] = field(default_factory=dict)  # cycles per block size so far
     fallback: bool = False  # adaptive mode is decoding plain for now (probing the drafter)
     shadows: int = 0  # plain steps so far that also drafted, unverified, to follow the drafter
+    copies: int = 0  # cycles so far that verified a copy of earlier tokens (no drafter pass)
+    copied: int = 0  # ... and the copied tokens they accepted
 
 
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
@@ -106,7 +108,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     block_size: Union[int, str, None] = adaptive.AUTO, verify_mode: str = "dflash",
                     seed: Optional[int] = None, prefill_step_size: int = 2048,
                     draft_window: Optional[int] = None, prompt_cache: Optional[list] = None,
-                    draft_context=None, cached_tokens: int = 0):
+                    draft_context=None, cached_tokens: int = 0, lookup: bool = True):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
@@ -114,6 +116,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     ``verify_mode="adaptive"`` is "auto" with a number as the largest block;
     ``verify_mode="off"`` (or no drafter) is plain autoregressive decoding.
     ``draft_window``: how many of the latest context rows a draft reads (None: all).
+    ``lookup``: where the sequence repeats itself a block may be a copy of what followed
+    the repeated tokens before (``lookup.py``); False: every block is the drafter's.
     A reused prefix (the server's prefix cache): ``prompt_cache`` (and with DFlash
     ``draft_context``) already hold the first ``cached_tokens`` prompt tokens."""
     if verify_mode not in VERIFY_MODES:
@@ -145,6 +149,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             logits_processors=logits_processors, block_size=policy,
             prefill_step_size=prefill_step_size, draft_window=draft_window,
             prompt_cache=prompt_cache, context=draft_context, cached_tokens=cached_tokens,
+            lookup=lookup,
         )
     else:
         sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, top_k=top_k)
@@ -194,6 +199,8 @@ def _responses(tokens, tokenizer, ids, limit, tic):
             block_sizes=dict(sorted(stats.block_sizes.items())) if stats else {},
             fallback=stats.fallback if stats else False,
             shadows=stats.shadows if stats else 0,
+            copies=stats.copies if stats else 0,
+            copied=stats.copied if stats else 0,
         )
         if finish:
             return
@@ -213,15 +220,16 @@ def generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None, verbos
     return text
 
 
-def blocks_text(block_sizes: Dict[int, int], fallback: bool, shadows: int = 0) -> str:
-    """The block-size histogram, e.g. "blocks 1x40 3x6 (plain fallback, 8 shadow probes)"."""
+def blocks_text(block_sizes: Dict[int, int], fallback: bool, shadows: int = 0, copies: int = 0) -> str:
+    """The block-size histogram, e.g. "blocks 1x40 3x6 (12 copies, plain fallback, 8 shadow probes)"."""
     hist = " ".join(f"{b}x{n}" for b, n in sorted(block_sizes.items()))
-    notes = ["plain fallback"] * fallback + [f"{shadows} shadow probes"] * (shadows > 0)
+    notes = ([f"{copies} copies"] * (copies > 0) + ["plain fallback"] * fallback
+             + [f"{shadows} shadow probes"] * (shadows > 0))
     return f"blocks {hist}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def stats_line(r: GenerationResponse) -> str:
-    blocks = blocks_text(r.block_sizes, r.fallback, r.shadows)
+    blocks = blocks_text(r.block_sizes, r.fallback, r.shadows, r.copies)
     tau = f"tau {r.tau:.2f} | {blocks} | " if r.cycles else ""
     return (f"{tau}generation {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | "
             f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "

@@ -6,8 +6,10 @@ drafter fills a block [anchor, MASK...] in one pass, the drafted tokens are prop
 accepted prefix plus the target's own next token is committed, the target cache is
 rolled back to that point and the draft context gets the committed tokens' features.
 A block of 1 is a plain decode step, pipelined as mlx-lm's are; the adaptive policy may have
-it carry a shadow probe (a block-2 draft never verified: ``shadow_chance``).  Yields (token,
-logprobs, from_draft, stats) per token.
+it carry a shadow probe (a block-2 draft never verified: ``shadow_chance``).  Where the
+sequence repeats itself, the block may be a copy instead of a draft (``lookup.py``): no
+drafter pass, verified and accepted the same way.  Yields (token, logprobs, from_draft,
+stats) per token.
 """
 
 from collections import Counter
@@ -19,6 +21,7 @@ import mlx.core as mx
 from . import adaptive
 from .draft_context import DraftContext
 from .drafter import Drafter, first_row, propose
+from .lookup import Lookup, one_hot_rows
 from .sampling import (SamplingParams, probs, processed_logits, processed_logprobs, sample,
                        verify_greedy, verify_sampled)
 from .target import Target, rollback, snapshot
@@ -35,12 +38,16 @@ class CycleStats:
     block_sizes: Dict[int, int] = field(default_factory=Counter)  # cycles per block size
     fallback: bool = False  # the adaptive policy is decoding plain (probing now and then)
     shadows: int = 0  # plain steps that carried a shadow probe
+    copies: int = 0  # cycles that verified a copy (``lookup.py``) instead of a draft
+    copied: int = 0  # ... and the copied tokens they accepted
 
     def __post_init__(self):
         self.position_accepted = [0] * max(self.block_size - 1, 0)
 
-    def record(self, block_size: int, accepted: int, fallback: bool = False):
+    def record(self, block_size: int, accepted: int, fallback: bool = False, copy: bool = False):
         self.cycles += 1
+        self.copies += copy
+        self.copied += accepted if copy else 0
         self.block_sizes[block_size] += 1
         self.fallback = fallback
         self.accepted = accepted
@@ -91,10 +98,12 @@ def speculative_generate_step(
     draft_window: Optional[int] = None,
     context: Optional[DraftContext] = None,
     cached_tokens: int = 0,
+    lookup: bool = True,
 ) -> Iterator:
     """``block_size``: a number, "auto", or a policy (``adaptive.policy``); ``draft_window``:
     how many of the latest context rows a draft reads (None: all). A reused prefix: the first
-    ``cached_tokens`` of the prompt are already in ``prompt_cache`` and ``context``."""
+    ``cached_tokens`` of the prompt are already in ``prompt_cache`` and ``context``.
+    ``lookup``: blocks may be copies where the sequence repeats (False: always the drafter)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
     policy = block_size if hasattr(block_size, "record") else adaptive.policy(
         target, drafter, block_size, params.greedy)
@@ -107,6 +116,8 @@ def speculative_generate_step(
     history = prompt
     logprobs = processed_logprobs(logits, prompt[:-1], prompt[-1:], logits_processors)
     anchor = int(sample(logprobs, params)[0].item())
+    # Every token read so far: the prompt and each token once it is yielded.
+    copier = Lookup(prompt.tolist() + [anchor]) if lookup else None
     yield anchor, logprobs[0], False, stats
     emitted = 1
     pending = None  # a plain step's (token, logprobs, shadow chance or None): computing, not read yet
@@ -114,10 +125,21 @@ def speculative_generate_step(
     def take(pending) -> int:
         if pending[2] is not None:
             policy.record_shadow(pending[2].item())
-        return int(pending[0].item())
+        token = int(pending[0].item())
+        if copier is not None:
+            copier.extend([token])
+        return token
 
     while emitted + (pending is not None) < max_tokens:
-        b = policy.block_size(history.size)
+        if copier is not None and copier.repeating and pending is not None and policy.largest > 1:
+            # The sequence is repeating itself: read the plain step's token now (out of the
+            # pipeline) so that the next block can be a copy that starts after it.
+            anchor = take(pending)
+            yield anchor, pending[1], False, stats
+            emitted, pending = emitted + 1, None
+            continue
+        copy = copier.draft(policy.largest - 1) if copier is not None and pending is None else []
+        b = policy.block_size(history.size, copy=len(copy))
         if b == 1:
             # A plain decode step, pipelined as in mlx-lm: the next step's graph is built
             # while this one computes, so reading a token never leaves the CPU idle.
@@ -144,10 +166,15 @@ def speculative_generate_step(
             anchor = take(pending)
             yield anchor, pending[1], False, stats
             emitted, pending = emitted + 1, None
-        block = mx.array([[anchor] + [mask] * (b - 1)])
-        # Draft + propose: one drafter pass, then per-position picks or the selector walk.
-        hidden = drafter(block, context.fed())
-        draft, q = propose(drafter, hidden, mx.array(anchor), params)
+        copying = bool(copy) and policy.copying
+        if copying:  # a copy of what followed the repeated tokens last time: no drafter pass
+            draft = mx.array(copy[: b - 1])
+            q = None if params.greedy else one_hot_rows(draft, drafter.config.vocab_size)
+        else:
+            block = mx.array([[anchor] + [mask] * (b - 1)])
+            # Draft + propose: one drafter pass, then per-position picks or the selector walk.
+            hidden = drafter(block, context.fed())
+            draft, q = propose(drafter, hidden, mx.array(anchor), params)
         # Verify: one target pass over [anchor, d1 .. d_{B-1}].
         verify = mx.concatenate([mx.array([anchor]), draft.astype(mx.int32)])
         saved = snapshot(cache)
@@ -163,9 +190,11 @@ def speculative_generate_step(
         context.add(features[:, : accepted + 1])
         history = mx.concatenate([history, kept])
         policy.record(b, accepted)
-        stats.record(b, accepted, policy.fallback)
-
-        for i, token in enumerate(draft[:accepted].tolist() + [bonus]):
+        stats.record(b, accepted, policy.fallback, copying)
+        new = draft[:accepted].tolist() + [bonus]
+        if copier is not None:
+            copier.extend(new)
+        for i, token in enumerate(new):
             yield token, logprobs[i], i < accepted, stats
             emitted += 1
             if emitted >= max_tokens:

@@ -96,7 +96,7 @@ def use_feature_file(*paths):
 
 def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
                     draft_vocab: int = DRAFT_VOCAB, sliding_window: Optional[int] = None,
-                    warm_layers: Optional[list] = None) -> Path:
+                    warm_layers: Optional[list] = None, shape: dict = SHAPE) -> Path:
     """A new drafter sized from the target (``SHAPE``) whose final norm weight starts as
     the target's final norm weight times 0.1.  Its states feed the target's LM head; with
     mlx's unit norm weights the first logits are huge (CE ~65 on SmolLM2, ~90 with the
@@ -111,7 +111,7 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
     V = model_args(model).vocab_size
     cfg = new_drafter_config(model, version=version, mask_token_id=default_mask_token_id(tokenizer, V),
                              draft_vocab_size=draft_vocab or None, sliding_window=sliding_window,
-                             **SHAPE)
+                             **shape)
     vocab = frequent_tokens(read_dataset(data), draft_vocab, V) if draft_vocab else None
     drafter = new_drafter(cfg, seed, draft_vocab=vocab)
     if warm_layers:
@@ -160,13 +160,16 @@ def train(args):
                       min_block_size=args.min_block_size, distill=args.distill,
                       stop_after=args.stop_after, val_records=args.val_records,
                       val_every=args.val_every)
+    shape = dict(SHAPE, num_layers=args.layers)
+    if args.warm_layers and len(args.warm_layers) > args.layers:
+        sys.exit(f"--warm-layers names {len(args.warm_layers)} target layers for a drafter of {args.layers}")
     target, model, tokenizer = _target()
     data = decontaminated(args.data, tokenizer, Path(args.out))
     init = args.init or initial_drafter(model, tokenizer, args.version, args.seed,
                                         Path(f"{args.out}-init"), data, args.draft_vocab,
-                                        args.sliding_window, args.warm_layers)
+                                        args.sliding_window, args.warm_layers, shape)
     final = train_drafter(target, args.out, data, init=str(init), version=args.version,
-                          config=cfg, **SHAPE)
+                          config=cfg, **shape)
     print(f"drafter: {final}")
 
 
@@ -350,6 +353,8 @@ def main():
     t.add_argument("--steps", type=int, default=90)
     t.add_argument("--warm-layers", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="Start drafter layer i as a copy of target layer i of this list (e.g. 28,29)")
+    t.add_argument("--layers", type=int, default=SHAPE["num_layers"],
+                   help="Drafter layers (a new drafter; --init keeps the checkpoint's)")
     t.add_argument("--stop-after", type=int, default=0,
                    help="End after this many steps; the learning-rate schedule still spans --steps")
     t.add_argument("--lr", type=float, default=2e-3)

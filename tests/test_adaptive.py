@@ -37,7 +37,9 @@ class Scripted:
         self.sizes, self.i, self.largest = list(sizes), 0, max(sizes)
         self.plain, self.chances = 0, []
 
-    def block_size(self, context):
+    copying = False
+
+    def block_size(self, context, copy=0):
         b = self.sizes[self.i % len(self.sizes)]
         self.i += 1
         return b
@@ -307,7 +309,7 @@ def test_fallback_to_plain_and_recovery(tmp_path):
     ref = plain_tokens(model, prompt, 300)
     policy = Adaptive(CPU, 8, Acceptance.empty(7))
     steps = speculative_generate_step(mx.array(prompt), attach(model, drafter), drafter,
-                                      max_tokens=300, block_size=policy)
+                                      max_tokens=300, block_size=policy, lookup=False)
     tokens, phases = [], {}
     for t, _, _, stats in steps:
         tokens.append(t)
@@ -324,6 +326,42 @@ def test_fallback_to_plain_and_recovery(tmp_path):
     assert later.get(8, 0) > 10 and stats.total_accepted > 100  # with the largest block
 
 
+def test_copies_where_the_drafter_fails(tmp_path):
+    """A target that repeats one token and a drafter that is never right: the policy
+    falls back to plain steps for the drafter, yet once the token repeats the blocks are
+    copies, growing to the largest size, all of them accepted; the text is the plain text."""
+    model, tok, drafter, _ = _agreeing_pair(tmp_path)
+    prompt = tok.encode("abc")
+    ref = plain_tokens(model, prompt, 120)
+    policy = Adaptive(CPU, 8, Acceptance.empty(7))
+    steps = speculative_generate_step(mx.array(prompt), attach(model, drafter), drafter,
+                                      max_tokens=120, block_size=policy)
+    tokens = []
+    for t, _, _, stats in steps:
+        tokens.append(t)
+    assert tokens == ref
+    # Copies grow to blocks of 8 as they keep being accepted; no draft ever is.
+    assert stats.copies > 10 and stats.copied == stats.total_accepted > 7 * 10
+    assert stats.block_sizes[8] >= 10 and stats.cycles < 30
+
+
+def test_copy_or_draft_by_expected_tokens_per_second():
+    """With a copy on offer the policy verifies it when its acceptance beats the
+    drafter's per second (a copy costs no drafter pass), else it drafts; a copy never
+    moves the drafter's own fallback state."""
+    good, bad = Acceptance([20.0] * 7, [19.0] * 7), Acceptance([20.0] * 7, [0.0] * 7)
+    policy = Adaptive(CPU, 8, Acceptance([20.0] * 7, [10.0] * 7))
+    policy.copies = good
+    assert policy.block_size(100, copy=7) == 8 and policy.copying
+    policy.record(8, 7)
+    assert policy.copies.accepted[6] > 19.0 and policy.acceptance.reached[0] == 20.0  # only copies learned
+    assert policy.block_size(100, copy=3) == 4 and policy.copying  # no longer than the copy
+    policy.copies = bad
+    b = policy.block_size(100, copy=7)
+    assert b > 1 and not policy.copying
+    assert policy.block_size(100) == b and not policy.copying  # nothing on offer: the drafter
+
+
 def test_shadow_probes_bring_drafting_back_sooner(tmp_path):
     """After a fallback the drafter turns right: with shadow probes drafting resumes
     before a probe would have found it, and the text is the plain text either way."""
@@ -336,7 +374,7 @@ def test_shadow_probes_bring_drafting_back_sooner(tmp_path):
         drafter.norm.weight = -only0  # every draft rejected
         policy = Adaptive(cheap, 8, Acceptance.empty(7), shadow_budget=budget)
         steps = speculative_generate_step(mx.array(prompt), attach(model, drafter), drafter,
-                                          max_tokens=200, block_size=policy)
+                                          max_tokens=200, block_size=policy, lookup=False)
         tokens = []
         for t, _, from_draft, stats in steps:
             tokens.append(t)
@@ -475,7 +513,8 @@ def test_seeded_requests_use_the_history_only_when_greedy(pair, tmp_path, monkey
         adaptive.save_history(adaptive.pair_key(target, drafter, greedy), weak)
     sizes = {}
     for temp in (0.0, 1.0):
-        for r in d.stream_generate(model, tok, "abcab dcba", drafter, max_tokens=8, temp=temp, seed=1):
+        for r in d.stream_generate(model, tok, "abcab dcba", drafter, max_tokens=8, temp=temp, seed=1,
+                                   lookup=False):
             sizes[temp] = r.block_sizes
     adaptive._costs.clear()
     assert set(sizes[0.0]) == {1}  # the history says this drafter is weak here: plain

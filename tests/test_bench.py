@@ -56,8 +56,9 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
     logs = []
     report = Bm.run_bench(model, tok, drafters, benches, temps=(0.0, 1.0), max_tokens=12,
                           block_size=4, log=logs.append)
-    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2", "DFlash 2 adaptive"]
-    assert report["mismatches"] == [] and report["t0_checked"] == 3 * 3
+    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2", "DFlash 2 adaptive",
+                                 "DFlash 2 + copies", "DFlash 2 adaptive + copies"]
+    assert report["mismatches"] == [] and report["t0_checked"] == 3 * 5
     assert set(report["results"]) == {"alpha", "beta", "overall"}
     for per_temp in report["results"].values():
         assert set(per_temp) == {"T=0", "T=1"}
@@ -75,9 +76,13 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
                 assert r["tau"] == pytest.approx(1 + sum(acc))
                 assert r["tokens_per_s"] > 0 and r["speedup"] > 0
                 assert r["block_sizes"] == {4: r["cycles"]} and r["shadows"] == 0
-            auto = res["DFlash 2 adaptive"]
-            assert sum(auto["block_sizes"].values()) == auto["cycles"] and max(auto["block_sizes"]) <= 5
-            assert 0 <= auto["shadows"] <= auto["block_sizes"].get(1, 0)  # only plain steps carry one
+                assert r["copies"] == 0  # the drafter rows draft every block
+            assert res["DFlash 2 + copies"]["block_sizes"] == {4: res["DFlash 2 + copies"]["cycles"]}
+            assert 0 <= res["DFlash 2 + copies"]["copies"] <= res["DFlash 2 + copies"]["cycles"]
+            for m in ("DFlash 2 adaptive", "DFlash 2 adaptive + copies"):
+                auto = res[m]
+                assert sum(auto["block_sizes"].values()) == auto["cycles"] and max(auto["block_sizes"]) <= 5
+                assert 0 <= auto["shadows"] <= auto["block_sizes"].get(1, 0)  # only plain steps carry one
     overall = report["results"]["overall"]["T=0"]["plain"]
     assert overall["runs"] == 3 and overall["tokens"] == sum(
         report["results"][b]["T=0"]["plain"]["tokens"] for b in ("alpha", "beta"))
@@ -85,8 +90,8 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
     assert [p.name for p in paths] == ["bench.json", "bench.md", "speed.png", "acceptance.png"]
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "bench.md").read_text()
-    assert "T=0 parity: all 9 DFlash outputs are identical" in md and "MISMATCH" not in md
-    assert "Block sizes chosen by the adaptive row" in md and "calibrated in" in md and "shadow probe" in md
+    assert "T=0 parity: all 15 DFlash outputs are identical" in md and "MISMATCH" not in md
+    assert "Block sizes chosen by the adaptive rows" in md and "calibrated in" in md and "shadow probe" in md
     # The cycle breakdown of the last drafter at the fixed block size, in the report.
     cyc = report["cycle"]
     assert cyc["method"] == "DFlash 2" and cyc["block_size"] == 4 and cyc["tau"] >= 1.0
@@ -108,7 +113,7 @@ def test_mismatch_is_detected_and_reported_loudly(tiny, monkeypatch):
     monkeypatch.setattr(Bm, "run_dflash", corrupted)
     logs = []
     report = Bm.run_bench(model, tok, drafters, {"alpha": ["the cat sat on"]}, temps=(0.0,),
-                          max_tokens=10, adaptive=False, log=logs.append)
+                          max_tokens=10, adaptive=False, copies=False, log=logs.append)
     (bad,) = report["mismatches"]
     assert bad["method"] == "DFlash 2" and bad["position"] == 3 and bad["bench"] == "alpha"
     assert bad["plain_token"] != bad["method_token"]
@@ -167,9 +172,10 @@ def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-out" / "bench.json").read_text())
     assert report["config"]["benches"] == {b: 1 for b in Bm.BENCH_FILES}
-    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2", "DFlash 2 adaptive"]
+    assert report["methods"] == ["plain", "DFlash v1", "DFlash 2", "DFlash 2 adaptive",
+                                 "DFlash 2 + copies", "DFlash 2 adaptive + copies"]
     assert report["mismatches"] == []
-    assert "T=0 parity: all 15 DFlash outputs are identical" in r.stdout
+    assert "T=0 parity: all 25 DFlash outputs are identical" in r.stdout
 
 
 def test_sweep_rows_and_adaptive_vs_best_fixed(tiny):
@@ -178,7 +184,7 @@ def test_sweep_rows_and_adaptive_vs_best_fixed(tiny):
     report = Bm.run_bench(model, tok, drafters, {"alpha": ["the cat sat on"]}, temps=(0.0,),
                           max_tokens=8, block_size=4, sweep=(2, 4, 1))
     assert report["methods"] == ["plain", "DFlash 2", "DFlash 2 block 1", "DFlash 2 block 2",
-                                 "DFlash 2 adaptive"]
+                                 "DFlash 2 adaptive", "DFlash 2 + copies", "DFlash 2 adaptive + copies"]
     overall = report["results"]["overall"]["T=0"]
     assert overall["DFlash 2 block 2"]["block_sizes"] == {2: overall["DFlash 2 block 2"]["cycles"]}
     best, tps, ratio = Bm.best_fixed(overall, "DFlash 2", "DFlash 2 adaptive")

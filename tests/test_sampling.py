@@ -27,6 +27,7 @@ from tiny_models import make_drafter, make_target
 N = 1200
 ALPHA = 1e-3
 PROMPT = "ab"
+REPEATING = "abab"  # "aba" occurred: a first token "a" makes the next block a copy
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +111,25 @@ CASES = [
 ]
 
 
+def sampled_runs(model, drafter, prompt, params, procs, n=N):
+    """Counts of the first three tokens over ``n`` seeded runs, and summed cycle stats."""
+    target = attach(model, drafter)
+    counts, totals = {}, dict(accepted=0, cycles=0, copies=0, copied=0)
+    for seed in range(n):
+        mx.random.seed(seed)
+        steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=3,
+                                          params=params, logits_processors=procs, block_size=3)
+        toks = []
+        for t, _, _, st in steps:
+            toks.append(t)
+        totals["accepted"] += st.total_accepted
+        totals["cycles"] += st.cycles
+        totals["copies"] += st.copies
+        totals["copied"] += st.copied
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    return counts, totals
+
+
 @pytest.mark.parametrize("version,kw", CASES)
 def test_first_tokens_follow_target_distribution(setup, version, kw):
     model, tok, drafter = setup[version]
@@ -117,25 +137,38 @@ def test_first_tokens_follow_target_distribution(setup, version, kw):
     rep = kw.pop("rep", None)
     params = SamplingParams(**kw)
     procs = make_logits_processors(repetition_penalty=rep[0], repetition_context_size=rep[1]) if rep else None
-    target = attach(model, drafter)
-    counts, accepted, cycles = {}, 0, 0
-    for seed in range(N):
-        mx.random.seed(seed)
-        steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=3,
-                                          params=params, logits_processors=procs, block_size=3)
-        toks = []
-        for t, _, _, st in steps:
-            toks.append(t)
-        accepted += st.total_accepted
-        cycles += st.cycles
-        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    counts, totals = sampled_runs(model, drafter, prompt, params, procs)
     joint = exact_joint(model, prompt, 3, rep=rep, **kw)
     assert abs(sum(joint.values()) - 1) < 1e-9
     p = chi2_pvalue(counts, joint, N)
     assert p > ALPHA, f"sampled tokens do not follow the target distribution (p = {p:.2e})"
     # Both branches of rejection sampling ran: some drafts accepted, some rejected.
-    assert 0 < accepted < 2 * cycles
+    assert 0 < totals["accepted"] < 2 * totals["cycles"]
     # Power: the same samples reject a nearby wrong distribution.
+    wrong = exact_joint(model, prompt, 3, rep=rep, **{**kw, "temp": kw["temp"] * 2})
+    assert chi2_pvalue({k: v for k, v in counts.items() if k in wrong}, wrong,
+                       sum(v for k, v in counts.items() if k in wrong)) < ALPHA
+
+
+# With top-p this target never samples the copied token (its rejections are tested there).
+@pytest.mark.parametrize("kw,accepts", [(dict(temp=1.0), True),
+                                        (dict(temp=0.7, top_p=0.95, rep=(1.1, 4)), False)])
+def test_copied_blocks_follow_target_distribution(setup, kw, accepts):
+    """A prompt that repeats itself: where the first token continues the repetition the
+    block is a copy (one-hot rows, no drafter pass), elsewhere a draft; either way the
+    three tokens follow the target's own distribution."""
+    model, tok, drafter = setup[2]
+    prompt = tok.encode(REPEATING)
+    rep = kw.pop("rep", None)
+    procs = make_logits_processors(repetition_penalty=rep[0], repetition_context_size=rep[1]) if rep else None
+    counts, totals = sampled_runs(model, drafter, prompt, SamplingParams(**kw), procs)
+    joint = exact_joint(model, prompt, 3, rep=rep, **kw)
+    p = chi2_pvalue(counts, joint, N)
+    assert p > ALPHA, f"sampled tokens do not follow the target distribution (p = {p:.2e})"
+    # Copies were verified, and a copied token was sometimes accepted and sometimes not.
+    assert 0 < totals["copies"] < totals["cycles"]
+    assert (0 < totals["copied"] if accepts else totals["copied"] == 0)
+    assert totals["copied"] < 2 * totals["copies"]
     wrong = exact_joint(model, prompt, 3, rep=rep, **{**kw, "temp": kw["temp"] * 2})
     assert chi2_pvalue({k: v for k, v in counts.items() if k in wrong}, wrong,
                        sum(v for k, v in counts.items() if k in wrong)) < ALPHA

@@ -47,10 +47,11 @@ def plain_tokens(model, prompt, n, processors=None):
     return [int(t) for t, _ in gen]
 
 
-def dflash_tokens(model, drafter, prompt, n, block_size, processors=None):
+def dflash_tokens(model, drafter, prompt, n, block_size, processors=None, lookup=True):
     target = attach(model, drafter)
     steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=n,
-                                      block_size=block_size, logits_processors=processors)
+                                      block_size=block_size, logits_processors=processors,
+                                      lookup=lookup)
     tokens, stats = [], None
     for t, _, _, stats in steps:
         tokens.append(t)
@@ -184,12 +185,17 @@ def test_always_accepted_and_always_rejected(tmp_path, agree):
     ref = plain_tokens(model, prompt, 20)
     assert len(set(ref)) == 1
     for block_size in (2, 5, 8):
-        out, stats = dflash_tokens(model, drafter, prompt, 20, block_size)
+        out, stats = dflash_tokens(model, drafter, prompt, 20, block_size, lookup=False)
         assert out == ref
         if agree:
             assert stats.total_accepted == stats.cycles * (block_size - 1)
         else:
             assert stats.total_accepted == 0
+        # The same loop copying where the sequence repeats: once the token has occurred
+        # four times, every block is a copy and every copied token is accepted.
+        out, stats = dflash_tokens(model, drafter, prompt, 20, block_size)
+        assert out == ref and stats.copies > 0
+        assert stats.copied == stats.copies * (block_size - 1)
 
 
 def _cache_arrays(cache):
