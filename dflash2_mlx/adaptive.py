@@ -34,6 +34,9 @@ AUTO = "auto"
 STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
 CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
 PRIOR_RATE = 0.5  # acceptance assumed for a pair never seen on this machine
+# ... and for a request's copies: where the last tokens repeat, the built-in target's greedy
+# responses continued the copy 2.9 of 4 tokens deep (scripts/copies_offline.py), 0.82 a position
+COPY_PRIOR_RATE = 0.8
 PRIOR_WEIGHT = 2.0  # pseudo-cycles behind each prior rate
 SAMPLED_PRIOR_WEIGHT = 8.0  # ... for a sampled request without history: its first few cycles
 # are accepted or not by chance, and a plain-decoding request learns only from rare probes
@@ -283,15 +286,17 @@ class Acceptance:
     accepted its token.
 
     ``rates()`` are conditional (position i accepted given all before it were).  Each
-    shrinks towards the previous position's rate (the first towards PRIOR_RATE), so a
+    shrinks towards the previous position's rate (the first towards its prior rate), so a
     position not tried for a while drifts back to a guess worth trying."""
     reached: List[float]
     accepted: List[float]
     prior_weight: float = PRIOR_WEIGHT
+    prior_rate: float = PRIOR_RATE
 
     @classmethod
-    def empty(cls, positions: int, prior_weight: float = PRIOR_WEIGHT) -> "Acceptance":
-        return cls([0.0] * positions, [0.0] * positions, prior_weight)
+    def empty(cls, positions: int, prior_weight: float = PRIOR_WEIGHT,
+              prior_rate: float = PRIOR_RATE) -> "Acceptance":
+        return cls([0.0] * positions, [0.0] * positions, prior_weight, prior_rate)
 
     def record(self, b: int, accepted: int):
         """One drafted cycle with block ``b`` whose first ``accepted`` drafts were taken."""
@@ -308,7 +313,7 @@ class Acceptance:
         self.accepted[0] += chance
 
     def rates(self) -> List[float]:
-        out, prev = [], PRIOR_RATE
+        out, prev = [], self.prior_rate
         for n, a in zip(self.reached, self.accepted):
             prev = (a + self.prior_weight * prev) / (n + self.prior_weight)
             out.append(prev)
@@ -392,7 +397,11 @@ class Adaptive:
         self.backoff = PROBE_FIRST
         self.context = 0
         self.shadow_budget, self.since_shadow = shadow_budget, 0
-        self.copies = Acceptance.empty(largest - 1, PRIOR_WEIGHT)
+        # Copies learn within the request, from a prior that has them tried: seeded from a
+        # pair's history (tried), a few requests that copied badly kept later ones from ever
+        # copying, and with the drafter's prior a drafter accepted well was never weighed
+        # against a copy's real acceptance (the quick start: 0 or 26 copies, run to run).
+        self.copies = Acceptance.empty(largest - 1, PRIOR_WEIGHT, COPY_PRIOR_RATE)
         self.copying = False
 
     def block_size(self, context: int, copy: int = 0) -> int:

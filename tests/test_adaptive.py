@@ -360,6 +360,11 @@ def test_copy_or_draft_by_expected_tokens_per_second():
     b = policy.block_size(100, copy=7)
     assert b > 1 and not policy.copying
     assert policy.block_size(100) == b and not policy.copying  # nothing on offer: the drafter
+    # A request's first copy is tried even beside a drafter accepted well: the copies' prior
+    # (COPY_PRIOR_RATE) is what copies were measured to reach, not the drafter's guess.
+    fresh = Adaptive(CPU, 8, Acceptance([20.0] * 7, [14.0] * 7))
+    assert fresh.copies.rates()[0] == pytest.approx(adaptive.COPY_PRIOR_RATE)
+    assert fresh.block_size(100, copy=7) == 8 and fresh.copying
 
 
 def test_shadow_probes_bring_drafting_back_sooner(tmp_path):

@@ -787,7 +787,7 @@ class Engine:
                 logits_processors=make_logits_processors(**penalties) if penalties else None,
                 block_size=s.dflash_block_size, verify_mode=mode, seed=p.get("seed"),
                 draft_window=s.dflash_draft_window or None, prompt_cache=start.cache,
-                draft_context=start.context, cached_tokens=start.tokens)
+                draft_context=start.context, cached_tokens=start.tokens, lookup=s.dflash_copies)
             for last in gen:
                 n = last.generation_tokens
                 first = first or time.perf_counter()

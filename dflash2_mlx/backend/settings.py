@@ -67,6 +67,7 @@ FIELDS = {
     "dflash_verify_mode": (lambda v: v in VERIFY_MODES, " or ".join(repr(m) for m in VERIFY_MODES)),
     "dflash_max_ctx": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = no limit)"),
     "dflash_draft_window": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = the whole context)"),
+    "dflash_copies": (_bool, "true or false"),
     "max_context_window": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "max_tokens": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "temperature": (lambda v: _num(v, lo=0), "a number >= 0"),
@@ -105,6 +106,7 @@ class ModelSettings:
     dflash_verify_mode: Optional[str] = None
     dflash_max_ctx: Optional[int] = None
     dflash_draft_window: Optional[int] = None  # context rows a draft reads (the latest)
+    dflash_copies: bool = True  # copy where the text repeats itself (lookup.py); False: always draft
     max_context_window: Optional[int] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
