@@ -28,8 +28,9 @@ def server(tmp_path_factory):
     target = on_worker(make_target, root / "models" / "tiny", alphabet="abcd", seed=3)
     drafter = on_worker(accepting_drafter, root / "drafter", target)
     settings = root / "model_settings.json"
+    # The batch drafts every block: so does each request's single stream here (no copies).
     SettingsStore(settings).set("tiny", dflash_enabled=True, dflash_draft_model=str(drafter),
-                                dflash_block_size=BLOCK)
+                                dflash_block_size=BLOCK, dflash_copies=False)
     proc, base = start_server(root, ["--model-dir", root / "models", "--settings", settings,
                                      "--queue-size", QUEUE, "--max-batch", MAX_BATCH,
                                      "--log-level", "warning"])
@@ -40,7 +41,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(server):
     ref = worker_reference(server["target"], server["drafter"])
-    return lambda prompt, **kw: ref(prompt, block_size=BLOCK, **kw)
+    return lambda prompt, **kw: ref(prompt, block_size=BLOCK, lookup=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def accepting_drafter(path, target):
         model, tokenizer, drafter = load(str(target), str(path))
         last = None
         for last in stream_generate(model, tokenizer, "abcab dcba", drafter, max_tokens=24,
-                                    block_size=BLOCK):
+                                    block_size=BLOCK, lookup=False):
             pass
         if 1.2 < last.tau < BLOCK - 0.5:
             return path

@@ -277,12 +277,15 @@ def test_pool_memory_budget(models, tmp_path):
     run(scenario())
 
 
-def test_concurrent_requests_share_the_batch_and_each_keeps_its_text(models, reference):
+@pytest.mark.parametrize("block", [None, 4])
+def test_concurrent_requests_share_the_batch_and_each_keeps_its_text(models, reference, block):
     """Requests that run together are verified in one batch; each greedy one still gets
     exactly its generate() text (mixed prompts and lengths, a stop string, an abort), and
-    the seeded sampled one its single-stream text (it runs next to the batch)."""
+    the seeded sampled one its single-stream text: under adaptive block sizes, and under a
+    fixed one with copies (the batch does not copy), it runs next to the batch."""
     _, target, drafter = models
-    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)),
+    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter),
+                                     dflash_block_size=block),
                model_id="tiny", max_batch=6)
     run(e.start())
     full = reference("hello world", max_tokens=40)
@@ -291,7 +294,8 @@ def test_concurrent_requests_share_the_batch_and_each_keeps_its_text(models, ref
             ("a much longer prompt about the sea and the sky", dict(max_tokens=30)),
             ("hey", dict(max_tokens=7)),
             ("zebra", dict(max_tokens=25, logit_bias=NO_EOS)),
-            ("hello world", dict(max_tokens=16, temperature=1.0, seed=7, logit_bias=NO_EOS))]
+            ("hello world", dict(max_tokens=16, temperature=1.0, seed=7, logit_bias=NO_EOS)),
+            ("zebra", dict(max_tokens=40, temperature=0.3, seed=3, logit_bias=NO_EOS))]  # copies 3 blocks
 
     async def scenario():
         doomed = e.stream_generate("abort me", request_id="doomed", max_tokens=400, logit_bias=NO_EOS)
@@ -312,7 +316,8 @@ def test_concurrent_requests_share_the_batch_and_each_keeps_its_text(models, ref
     assert done[0].text == full[: full.find(stop)] and done[0].finish_reason == "stop"
     for (prompt, kw), got in zip(asks[1:], done[1:]):
         want = reference(prompt, max_tokens=kw["max_tokens"], temp=kw.get("temperature", 0.0),
-                         seed=kw.get("seed"), logits_processors=_bias(kw.get("logit_bias")))
+                         seed=kw.get("seed"), logits_processors=_bias(kw.get("logit_bias")),
+                         block_size=block or "auto")
         assert got.text == want, (prompt, kw)
         assert got.completion_tokens <= kw["max_tokens"] and got.cycles > 0
         assert sum(got.block_sizes.values()) == got.cycles
