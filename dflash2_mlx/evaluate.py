@@ -8,7 +8,8 @@ anchor of the response with a full block after it):
 - oracle tau: 1 + the leading positions whose true token is in the top k (perfect
   selection over the candidates), beside the top-1 tau (argmax drafting) and, for
   DFlash 2, the greedy selector walk's tau.
-Online (real draft-verify runs through ``stream_generate`` at T=0 and T=1):
+Online (real draft-verify runs through ``stream_generate`` at T=0 and T=1, every block
+drafted: no copies, so the figures are the drafter's):
 - tau = (accepted draft tokens + cycles) / cycles, per benchmark and overall;
 - per-position acceptance: the fraction of cycles that accepted block position i
   (the paper's Figure 5).
@@ -185,7 +186,7 @@ def real_runs(model, tokenizer, drafter, prompts, temp: float, block_size: int,
         tic = time.perf_counter()
         for last in stream_generate(model, tokenizer, encode(tokenizer, prompt), drafter,
                                     max_tokens=max_tokens, temp=temp, block_size=block_size,
-                                    seed=seed + i):
+                                    seed=seed + i, lookup=False):  # the drafter's own tau
             pass
         tally.seconds += time.perf_counter() - tic
         if last is None:

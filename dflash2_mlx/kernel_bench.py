@@ -121,7 +121,7 @@ def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fo
     def run():
         mx.random.seed(0)
         steps = speculative_generate_step(ids, t, drafter, max_tokens=max_tokens,
-                                          params=params, block_size=block_size)
+                                          params=params, block_size=block_size, lookup=False)
         _, _, _, stats = next(steps)  # prefill and the first token: not a cycle
         t0 = time.perf_counter()
         for _ in steps:

@@ -69,7 +69,7 @@ def timed_cycles(target, drafter, ids: mx.array, block_size: int, tokens: int,
     for _ in range(runs):
         context = DraftContext(d)
         steps = speculative_generate_step(ids, t, d, max_tokens=tokens, block_size=block_size,
-                                          context=context)
+                                          context=context, lookup=False)  # drafted cycles only
         before = dict(times)
         next(steps)  # the prefill and the prompt's rows in the draft context are not a cycle
         mx.eval(_cache_states(context.fed()))
@@ -118,7 +118,8 @@ def cycle_breakdown(model, drafter, prompt_ids, block_size: int = 5, repeats: in
     # median of three generations (they are identical, so only the timing varies).
     cycles = []
     for _ in range(3):
-        steps = speculative_generate_step(ids[0], target, drafter, max_tokens=tokens, block_size=block_size)
+        steps = speculative_generate_step(ids[0], target, drafter, max_tokens=tokens, block_size=block_size,
+                                          lookup=False)
         next(steps)
         tic = time.perf_counter()
         for *_, stats in steps:

@@ -73,7 +73,7 @@ def run_sequential(model, drafter, ids, max_tokens, block, stop):
         toks, stats = [], None
         for t, _, _, stats in speculative_generate_step(
                 mx.array(p), target, drafter, max_tokens=max_tokens,
-                block_size=block_policy(target, drafter, block)):
+                block_size=block_policy(target, drafter, block), lookup=False):  # as the batch
             toks.append(t)
             if len(toks) == 1:
                 first = time.perf_counter()

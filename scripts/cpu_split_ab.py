@@ -19,7 +19,7 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.",
 
 def tps(model, tok, drafter, prompt: str, **kw) -> float:
     for last in stream_generate(model, tok, [{"role": "user", "content": prompt}], drafter,
-                                max_tokens=128, **kw):
+                                max_tokens=128, lookup=False, **kw):  # drafted blocks only
         pass
     return last.generation_tps
 

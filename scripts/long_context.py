@@ -62,16 +62,17 @@ def main():
     args = ap.parse_args()
 
     model, tokenizer, drafter = load(*default_pair())
+    # The DFlash rows draft every block (no copies), as the bench's drafter rows do.
     methods = {
         "plain": ("plain", lambda ids, **kw: mlx_lm.stream_generate(
             model, tokenizer, mx.array(ids[kw.get("cached_tokens", 0):]), max_tokens=args.max_tokens,
             prompt_cache=kw.get("prompt_cache"))),
         "fixed": (f"DFlash 2 block {args.block_size}", lambda ids, **kw: stream_generate(
-            model, tokenizer, ids, drafter, max_tokens=args.max_tokens, block_size=args.block_size, **kw)),
+            model, tokenizer, ids, drafter, max_tokens=args.max_tokens, block_size=args.block_size, lookup=False, **kw)),
         "adaptive": ("DFlash 2 adaptive", lambda ids, **kw: stream_generate(
-            model, tokenizer, ids, drafter, max_tokens=args.max_tokens, **kw)),
+            model, tokenizer, ids, drafter, max_tokens=args.max_tokens, lookup=False, **kw)),
         "window": (f"DFlash 2 adaptive, window {args.draft_window}", lambda ids, **kw: stream_generate(
-            model, tokenizer, ids, drafter, max_tokens=args.max_tokens, draft_window=args.draft_window, **kw)),
+            model, tokenizer, ids, drafter, max_tokens=args.max_tokens, draft_window=args.draft_window, lookup=False, **kw)),
     }
     methods = dict(methods[m] for m in ["plain"] + [m for m in args.methods if m != "plain"])
     for fn in methods.values():  # warm-up (and the cost calibration, once per machine)

@@ -19,7 +19,7 @@ from dflash2_mlx.speculative import speculative_generate_step
 from dflash2_mlx.target import attach
 from test_sampling import chi2_pvalue, exact_joint
 from test_speculative import _cache_arrays, plain_tokens
-from tiny_models import make_drafter, make_target
+from tiny_models import looping_pair, make_drafter, make_target
 
 # A CPU-like machine: each extra verified row costs 10% of a decode step, a draft 20%.
 CPU = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
@@ -290,17 +290,8 @@ def test_draft_window_keeps_parity(pair):
 
 
 def _agreeing_pair(tmp_path):
-    """A target whose greedy token never changes and a drafter that proposes another
-    token (every draft rejected) until its final norm's sign is flipped (every draft
-    accepted): see test_speculative.test_always_accepted_and_always_rejected."""
-    make_target(tmp_path / "t", "qwen3", alphabet="abcdefgh")
-    make_drafter(tmp_path / "d", tmp_path / "t", version=2)
-    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
-    model.model.embed_tokens.weight = model.model.embed_tokens.weight.at[:, 0].add(1000.0)
-    only0 = mx.zeros((model.args.hidden_size,)).at[0].add(1.0)
-    model.model.norm.weight = only0
-    drafter.norm.weight = -only0
-    return model, tok, drafter, only0
+    """See tiny_models.looping_pair (and test_speculative.test_always_accepted_and_always_rejected)."""
+    return looping_pair(tmp_path)
 
 
 def test_fallback_to_plain_and_recovery(tmp_path):

@@ -13,7 +13,7 @@ from dflash2_mlx.drafter import propose
 from dflash2_mlx.loading import load_drafter
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import attach
-from tiny_models import make_drafter, make_target
+from tiny_models import looping_pair, make_drafter, make_target
 
 
 def test_conditional_recall_and_leading_by_hand():
@@ -100,3 +100,17 @@ def test_evaluate_reports_side_by_side(tiny, tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| v1 | alpha |" in md and "| v2 | **overall** |" in md
     assert json.loads((tmp_path / "report.json").read_text())["config"]["top_k"] == 6
+
+
+def test_real_runs_measure_the_drafter_without_copies(tmp_path):
+    """A target that repeats one token and a drafter that never proposes it: generate()
+    would copy the repetition (accepted), but eval's runs draft every block, so τ is 1."""
+    import dflash2_mlx as d
+
+    model, tok, drafter, _ = looping_pair(tmp_path)
+    tally = E.real_runs(model, tok, drafter, ["abc"], temp=0.0, block_size=4, max_tokens=40)
+    assert tally.cycles > 10 and tally.result()["tau"] == 1.0
+    last = None
+    for last in d.stream_generate(model, tok, "abc", drafter, max_tokens=40, block_size=4):
+        pass
+    assert last.copies > 0 and last.tau > 2.0

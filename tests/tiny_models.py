@@ -212,3 +212,22 @@ def worker_reference(target_path, drafter_path):
         return on_worker(generate, model, tokenizer, prompt, drafter, **kw)
 
     return ref
+
+
+def looping_pair(path):
+    """A target whose greedy token never changes and a drafter that proposes another token
+    (every draft rejected) until its final norm's sign is flipped to ``only0`` (every draft
+    accepted): embedding channel 0 is huge for every token and both final norms keep only
+    that channel.  Returns (model, tokenizer, drafter, only0)."""
+    import mlx.core as mx
+
+    import dflash2_mlx as d
+
+    make_target(path / "t", "qwen3", alphabet="abcdefgh")
+    make_drafter(path / "d", path / "t", version=2)
+    model, tok, drafter = d.load(str(path / "t"), str(path / "d"))
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight.at[:, 0].add(1000.0)
+    only0 = mx.zeros((model.args.hidden_size,)).at[0].add(1.0)
+    model.model.norm.weight = only0
+    drafter.norm.weight = -only0
+    return model, tok, drafter, only0
