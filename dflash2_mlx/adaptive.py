@@ -46,7 +46,12 @@ PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backi
 PROBE_BUDGET = 0.015  # a failed probe's extra cost, spread over the wait, is at most this share
 SHADOW_BUDGET = 0.03  # shadow probes' drafter passes cost at most this share of the plain steps
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
-CALIBRATION = 4  # bumped when calibrate() measures differently: older cost files are remeasured
+CALIBRATION = 5  # bumped when calibrate() measures differently: older cost files are remeasured
+# Rows a copy may verify when the block size is chosen ("auto"): a copy is not bound to the
+# drafter's trained block, and a loop is accepted far; 15 is the widest verify the CPU split
+# computes in two halves (cpu_split.MAX_ROWS).  Calibrated at COPY_ROWS, interpolated between.
+COPY_LARGEST = 15
+COPY_ROWS = (12, COPY_LARGEST)
 
 
 # --- the cost model -------------------------------------------------------------------
@@ -118,7 +123,8 @@ def _timed(fn) -> float:
 
 def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = (3, 8),
               sizes: Optional[List[int]] = None) -> CostModel:
-    """Measure target passes over every block up to 8 rows (and B) and drafter steps with
+    """Measure target passes over every block up to 8 rows (and B, and COPY_ROWS for copies
+    wider than B) and drafter steps with
     blocks 2 and B (and ``sizes``) at a short context, 1 and B rows at a long one, and fit
     ``base + slope * context`` per block size (others are interpolated).  Every small block
     is measured because a verify pass's cost is far from linear in its rows (a 2-core CPU:
@@ -168,7 +174,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
             c.trim(1)
 
     sizes = sorted(set(sizes or []) | {2, B})
-    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)))
+    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B})
     points = ([(target_pass, b, short) for b in [1] + rows] + [(target_pass, b, long) for b in {1, B}]
               + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
     target_pass(2, short)  # warm-up: one pass is enough (a plain chain is four)
@@ -356,7 +362,7 @@ class Fixed:
     copying = False
 
     def __init__(self, block_size: int):
-        self.largest = block_size
+        self.largest = self.copy_largest = block_size
 
     def block_size(self, context: int, copy: int = 0) -> int:
         """A copy on offer (``copy`` tokens) is always taken: at T=0 a copy is accepted
@@ -390,8 +396,9 @@ class Adaptive:
     whether that draft would have been accepted."""
 
     def __init__(self, costs: CostModel, largest: int, acceptance: Acceptance, seeded: bool = False,
-                 shadow_budget: float = SHADOW_BUDGET):
+                 shadow_budget: float = SHADOW_BUDGET, copy_largest: Optional[int] = None):
         self.costs, self.largest, self.acceptance = costs, largest, acceptance
+        self.copy_largest = copy_largest or largest  # the widest block a copy may verify
         self.fallback = False
         self.wait = PROBE_FIRST if seeded else 0
         self.backoff = PROBE_FIRST
@@ -401,7 +408,7 @@ class Adaptive:
         # pair's history (tried), a few requests that copied badly kept later ones from ever
         # copying, and with the drafter's prior a drafter accepted well was never weighed
         # against a copy's real acceptance (the quick start: 0 or 26 copies, run to run).
-        self.copies = Acceptance.empty(largest - 1, PRIOR_WEIGHT, COPY_PRIOR_RATE)
+        self.copies = Acceptance.empty(self.copy_largest - 1, PRIOR_WEIGHT, COPY_PRIOR_RATE)
         self.copying = False
 
     def block_size(self, context: int, copy: int = 0) -> int:
@@ -410,7 +417,7 @@ class Adaptive:
         b = best_block(rates, self.costs, context, self.largest)
         self.copying = False
         if copy:
-            c = best_block(self.copies.rates(), self.costs, context, min(self.largest, copy + 1),
+            c = best_block(self.copies.rates(), self.costs, context, min(self.copy_largest, copy + 1),
                            smallest=2, drafted=False)
             if (tokens_per_second(self.copies.rates(), self.costs, context, c, drafted=False)
                     > tokens_per_second(rates, self.costs, context, b)):
@@ -500,18 +507,20 @@ def policy(target, drafter, block_size=AUTO, greedy: bool = True,
     key = pair_key(target, drafter, greedy) if history else None
     hist = load_history(key, positions) if key else None
     chosen = starting(costs or cost_model(target, drafter), largest or positions + 1, positions,
-                      hist, greedy)
+                      hist, greedy, copy_largest=largest or max(positions + 1, COPY_LARGEST))
     chosen.history_key = key
     return chosen
 
 
 def starting(costs: CostModel, largest: int, positions: int, hist: Optional[Acceptance],
-             greedy: bool = True, shadow_budget: float = SHADOW_BUDGET) -> Adaptive:
+             greedy: bool = True, shadow_budget: float = SHADOW_BUDGET,
+             copy_largest: Optional[int] = None) -> Adaptive:
     """A request's ``Adaptive`` policy, seeded from the pair's history ``hist`` (worth
     SEED_WEIGHT cycles) when there is one, else from the prior."""
     start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(
         positions, PRIOR_WEIGHT if greedy else SAMPLED_PRIOR_WEIGHT)
-    return Adaptive(costs, largest, start, seeded=hist is not None, shadow_budget=shadow_budget)
+    return Adaptive(costs, largest, start, seeded=hist is not None, shadow_budget=shadow_budget,
+                    copy_largest=copy_largest)
 
 
 def remember(chosen):

@@ -108,7 +108,7 @@ def speculative_generate_step(
     policy = block_size if hasattr(block_size, "record") else adaptive.policy(
         target, drafter, block_size, params.greedy)
     context = DraftContext(drafter, draft_window) if context is None else context
-    stats = CycleStats(policy.largest)
+    stats = CycleStats(max(policy.largest, policy.copy_largest))
     mask = drafter.config.mask_token_id
 
     logits, features = prefill(target, prompt[cached_tokens:], cache, prefill_step_size)
@@ -138,7 +138,7 @@ def speculative_generate_step(
             yield anchor, pending[1], False, stats
             emitted, pending = emitted + 1, None
             continue
-        copy = copier.draft(policy.largest - 1) if copier is not None and pending is None else []
+        copy = copier.draft(policy.copy_largest - 1) if copier is not None and pending is None else []
         b = policy.block_size(history.size, copy=len(copy))
         if b == 1:
             # A plain decode step, pipelined as in mlx-lm: the next step's graph is built

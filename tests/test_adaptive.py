@@ -35,6 +35,7 @@ class Scripted:
 
     def __init__(self, sizes):
         self.sizes, self.i, self.largest = list(sizes), 0, max(sizes)
+        self.copy_largest = self.largest
         self.plain, self.chances = 0, []
 
     copying = False
@@ -336,6 +337,26 @@ def test_copies_where_the_drafter_fails(tmp_path):
     assert stats.block_sizes[8] >= 10 and stats.cycles < 30
 
 
+def test_copies_grow_past_the_drafters_block(tmp_path):
+    """With the block size chosen, a copy may verify up to COPY_LARGEST rows whatever the
+    drafter's trained block; a number given as the largest block caps copies too."""
+    model, tok, drafter, _ = looping_pair(tmp_path)
+    target = attach(model, drafter)
+    costs = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0), 15: (2.2, 0.0)}, CPU.drafter)
+    B = drafter.config.block_size
+    policy = adaptive.policy(target, drafter, costs=costs, history=False)
+    assert policy.largest == B and policy.copy_largest == max(B, adaptive.COPY_LARGEST)
+    prompt = tok.encode("abc")
+    ref = plain_tokens(model, prompt, 150)
+    tokens = []
+    for t, _, _, stats in speculative_generate_step(mx.array(prompt), target, drafter,
+                                                    max_tokens=150, block_size=policy):
+        tokens.append(t)
+    assert tokens == ref and stats.copied == stats.total_accepted
+    assert max(stats.block_sizes) == policy.copy_largest > B
+    assert adaptive.policy(target, drafter, costs=costs, history=False, largest=5).copy_largest == 5
+
+
 def test_copy_or_draft_by_expected_tokens_per_second():
     """With a copy on offer the policy verifies it when its acceptance beats the
     drafter's per second (a copy costs no drafter pass), else it drafts; a copy never
@@ -451,7 +472,7 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     costs = adaptive.cost_model(target, drafter)
     files = list((tmp_path / "adaptive").glob("costs-*.json"))
     assert len(files) == 1
-    assert set(costs.target) == set(range(1, 9)) and set(costs.drafter) == {2, 8}
+    assert set(costs.target) == set(range(1, 9)) | {12, 15} and set(costs.drafter) == {2, 8}
     short = adaptive.CONTEXTS[0]
     # Never cheaper (up to rounding: equal measured points interpolate to within an ulp).
     assert all(costs.cycle(b, short) <= costs.cycle(b + 1, short) + 1e-12 for b in range(1, 8))
@@ -465,7 +486,7 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     adaptive._costs.clear()
     assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again
     extra = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1), sizes=[4])
-    assert set(extra.target) == set(range(1, 9)) and set(extra.drafter) == {2, 4, 8}
+    assert set(extra.target) == set(range(1, 9)) | {12, 15} and set(extra.drafter) == {2, 4, 8}
     other = pair["qwen3_5"]
     assert adaptive.cost_key(attach(other[0], other[2]), other[2]) != adaptive.cost_key(target, drafter)
 

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash2_mlx import bench as Bm
+from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.loading import load_drafter
 from dflash2_mlx.profile import _Timed, timed_cycles
 from dflash2_mlx.speculative import speculative_generate_step
@@ -79,9 +80,9 @@ def test_run_bench_report_and_parity(tiny, tmp_path):
                 assert r["copies"] == 0  # the drafter rows draft every block
             assert res["DFlash 2 + copies"]["block_sizes"] == {4: res["DFlash 2 + copies"]["cycles"]}
             assert 0 <= res["DFlash 2 + copies"]["copies"] <= res["DFlash 2 + copies"]["cycles"]
-            for m in ("DFlash 2 adaptive", "DFlash 2 adaptive + copies"):
-                auto = res[m]
-                assert sum(auto["block_sizes"].values()) == auto["cycles"] and max(auto["block_sizes"]) <= 5
+            for m, widest in (("DFlash 2 adaptive", 5), ("DFlash 2 adaptive + copies", COPY_LARGEST)):
+                auto = res[m]  # drafts up to the trained 5, copies up to COPY_LARGEST rows
+                assert sum(auto["block_sizes"].values()) == auto["cycles"] and max(auto["block_sizes"]) <= widest
                 assert 0 <= auto["shadows"] <= auto["block_sizes"].get(1, 0)  # only plain steps carry one
     overall = report["results"]["overall"]["T=0"]["plain"]
     assert overall["runs"] == 3 and overall["tokens"] == sum(

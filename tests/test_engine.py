@@ -6,6 +6,7 @@ import json
 import mlx.core as mx
 import pytest
 
+from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.backend.engine import Engine, EngineError, PromptTooLong, QueueFull
 from dflash2_mlx.backend.pool import EnginePool, PoolBusy, UnknownModel
 from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
@@ -83,7 +84,7 @@ def test_greedy_output_and_stats(engine, reference):
     assert stats["requests"] == before["requests"] + 3
     assert stats["generation_tokens"] == before["generation_tokens"] + 24 + 24 + 16
     assert stats["cycles"] > before["cycles"] and stats["mean_tau"] >= 1.0
-    assert len(stats["acceptance_by_position"]) == 7  # block size "auto": up to the trained 8
+    assert len(stats["acceptance_by_position"]) == COPY_LARGEST - 1  # "auto": copies up to 15 rows
     assert sum(stats["block_sizes"].values()) == stats["cycles"] and "adaptive_fallbacks" in stats
     assert sum(got.block_sizes.values()) == got.cycles
     assert stats["generation_tps"] > 0 and not engine.has_active_requests()

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.backend.settings import SettingsStore
 from tiny_models import byte_chars, make_drafter, make_target, on_worker, worker_reference
 
@@ -292,7 +293,7 @@ def test_metrics_report_engine_stats(server):
     stats = metrics(server)["models"]["tiny"]
     assert stats["loaded"] and stats["drafter"] == str(server["drafter"])
     assert stats["requests"] >= 10 and stats["generation_tokens"] > 100 and stats["cycles"] > 0
-    assert stats["mean_tau"] >= 1.0 and len(stats["acceptance_by_position"]) == 7  # block size auto
+    assert stats["mean_tau"] >= 1.0 and len(stats["acceptance_by_position"]) == COPY_LARGEST - 1  # auto: copies up to 15 rows
     assert sum(stats["block_sizes"].values()) == stats["cycles"] and "adaptive_fallbacks" in stats
     assert stats["rejected_requests"] >= 1 and stats["generation_tps"] > 0
 

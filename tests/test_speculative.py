@@ -8,6 +8,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
+from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.speculative import speculative_generate_step
 from dflash2_mlx.target import attach
@@ -81,9 +82,10 @@ def test_public_stream_generate_matches_mlx_lm(pairs):
     last = responses[-1]
     assert last.finish_reason in ("length", "stop")
     assert last.cycles > 0 and last.tau >= 1.0
-    assert len(last.acceptance_counts) == 7  # block size "auto": up to the trained 8
+    # Block size "auto": drafts up to the trained 8, copies up to COPY_LARGEST rows.
+    assert len(last.acceptance_counts) == COPY_LARGEST - 1
     assert sum(last.block_sizes.values()) == last.cycles
-    assert set(last.block_sizes) <= set(range(1, 9))
+    assert set(last.block_sizes) <= set(range(1, COPY_LARGEST + 1))
     off = [r.token for r in d.stream_generate(model, tok, prompt, drafters[2], max_tokens=16,
                                               verify_mode="off")]
     assert off == [r.token for r in responses]
