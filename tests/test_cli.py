@@ -64,7 +64,7 @@ def test_help_lists_every_option():
     r = run("generate", "--help")
     for opt in ["--model", "--draft", "--prompt", "--messages-file", "--max-tokens", "--temp",
                 "--top-p", "--top-k", "--min-p", "--block-size", "--draft-bits", "--seed",
-                "--verbose"]:
+                "--verbose", "--copies", "--no-copies"]:
         assert opt in r.stdout
     top = run("--help").stdout
     for cmd in ["generate", "doctor", "train", "eval", "serve", "models"]:
