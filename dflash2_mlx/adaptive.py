@@ -344,8 +344,8 @@ def best_block(rates: List[float], costs: CostModel, context: int, largest: int,
                smallest: int = 1, drafted: bool = True) -> int:
     """The block size in smallest..largest with the most expected tokens per second
     (``drafted=False``: blocks that cost no drafter pass, copies)."""
-    cost = costs.cycle if drafted else costs.verify
-    return max(range(smallest, largest + 1), key=lambda b: expected_tokens(rates, b) / cost(b, context))
+    return max(range(smallest, largest + 1),
+               key=lambda b: tokens_per_second(rates, costs, context, b, drafted))
 
 
 def tokens_per_second(rates: List[float], costs: CostModel, context: int, b: int,
@@ -417,9 +417,10 @@ class Adaptive:
         b = best_block(rates, self.costs, context, self.largest)
         self.copying = False
         if copy:
-            c = best_block(self.copies.rates(), self.costs, context, min(self.copy_largest, copy + 1),
+            copied = self.copies.rates()
+            c = best_block(copied, self.costs, context, min(self.copy_largest, copy + 1),
                            smallest=2, drafted=False)
-            if (tokens_per_second(self.copies.rates(), self.costs, context, c, drafted=False)
+            if (tokens_per_second(copied, self.costs, context, c, drafted=False)
                     > tokens_per_second(rates, self.costs, context, b)):
                 self.copying = True  # leaves the drafter's fallback and probes as they were
                 return c

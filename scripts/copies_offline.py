@@ -15,19 +15,13 @@ import argparse
 import mlx_lm
 import numpy as np
 
+from dflash2_mlx.bench import default_bench_files
 from dflash2_mlx.defaults import drafter_path
 from dflash2_mlx.evaluate import greedy_responses, leading, load_benches, offline_hits
 from dflash2_mlx.loading import load_drafter
 from dflash2_mlx.lookup import Lookup
 from dflash2_mlx.smollm2 import default_target_path
-from dflash2_mlx.bench import default_bench_files
-
-
-def depth(copy, truth) -> int:
-    n = 0
-    while n < len(truth) and copy[n] == truth[n]:
-        n += 1
-    return n
+from dflash2_mlx.target import attach
 
 
 def main():
@@ -41,8 +35,6 @@ def main():
     B, T = args.block_size, args.block_size - 1
     model, tok = mlx_lm.load(str(default_target_path()))
     drafter = load_drafter(args.draft or str(drafter_path()), target=model)
-    from dflash2_mlx.target import attach
-
     target = attach(model, drafter)
     sets = load_benches(default_bench_files(), args.last)
     rows = {}
@@ -55,8 +47,10 @@ def main():
             for j, a in enumerate(anchors):
                 copier.extend([ids[a]])
                 copy = copier.draft(T)
-                out.append((int(leading(walk[j : j + 1])[0]),
-                            depth(copy, ids[a + 1 : a + B]) if copy else -1))
+                depth = -1  # no copy on offer
+                if copy:
+                    depth = int(leading((np.array(copy) == np.array(ids[a + 1 : a + B]))[None])[0])
+                out.append((int(leading(walk[j : j + 1])[0]), depth))
         rows[name] = np.array(out)
     rows["overall"] = np.concatenate(list(rows.values()))
     for name, r in rows.items():

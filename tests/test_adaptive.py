@@ -290,13 +290,8 @@ def test_draft_window_keeps_parity(pair):
         assert out == ref
 
 
-def _agreeing_pair(tmp_path):
-    """See tiny_models.looping_pair (and test_speculative.test_always_accepted_and_always_rejected)."""
-    return looping_pair(tmp_path)
-
-
 def test_fallback_to_plain_and_recovery(tmp_path):
-    model, tok, drafter, only0 = _agreeing_pair(tmp_path)
+    model, tok, drafter, only0 = looping_pair(tmp_path)
     prompt = tok.encode("abc")
     ref = plain_tokens(model, prompt, 300)
     policy = Adaptive(CPU, 8, Acceptance.empty(7))
@@ -322,7 +317,7 @@ def test_copies_where_the_drafter_fails(tmp_path):
     """A target that repeats one token and a drafter that is never right: the policy
     falls back to plain steps for the drafter, yet once the token repeats the blocks are
     copies, growing to the largest size, all of them accepted; the text is the plain text."""
-    model, tok, drafter, _ = _agreeing_pair(tmp_path)
+    model, tok, drafter, _ = looping_pair(tmp_path)
     prompt = tok.encode("abc")
     ref = plain_tokens(model, prompt, 120)
     policy = Adaptive(CPU, 8, Acceptance.empty(7))
@@ -382,7 +377,7 @@ def test_copy_or_draft_by_expected_tokens_per_second():
 def test_shadow_probes_bring_drafting_back_sooner(tmp_path):
     """After a fallback the drafter turns right: with shadow probes drafting resumes
     before a probe would have found it, and the text is the plain text either way."""
-    model, tok, drafter, only0 = _agreeing_pair(tmp_path)
+    model, tok, drafter, only0 = looping_pair(tmp_path)
     prompt = tok.encode("abc")
     ref = plain_tokens(model, prompt, 200)
     cheap = CostModel(CPU.target, {2: (0.05, 0.0), 8: (0.05, 0.0)})  # a shadow every 2 steps

@@ -12,7 +12,7 @@ from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.speculative import speculative_generate_step
 from dflash2_mlx.target import attach
-from tiny_models import make_drafter, make_target
+from tiny_models import looping_pair, make_drafter, make_target
 
 FAMILIES = ["llama", "llama_sliding", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
 MAX_TOKENS = 24
@@ -174,14 +174,7 @@ def test_always_accepted_and_always_rejected(tmp_path, agree):
     Embedding channel 0 is huge for every token and both final norms keep only that
     channel, so both heads reduce to lm_head[:, 0] times a positive (or, for the
     rejecting drafter, negative) number."""
-    make_target(tmp_path / "t", "qwen3", alphabet="abcdefgh")
-    make_drafter(tmp_path / "d", tmp_path / "t", version=2)
-    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
-    emb = model.model.embed_tokens.weight
-    model.model.embed_tokens.weight = emb.at[:, 0].add(1000.0)
-    H = emb.shape[1]
-    only0 = mx.zeros((H,)).at[0].add(1.0)
-    model.model.norm.weight = only0
+    model, tok, drafter, only0 = looping_pair(tmp_path)
     drafter.norm.weight = only0 if agree else -only0
     prompt = tok.encode("abc")
     ref = plain_tokens(model, prompt, 20)
