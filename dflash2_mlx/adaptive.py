@@ -7,6 +7,9 @@
   decayed so they follow it, seeded from this pair's history on this machine.
 - ``best_block``: argmax over b in 1..largest of E[tokens | b] / cost(b, context); b = 1
   is a plain decode step (no drafter pass).
+- ``Timing``: what the loop's cycles really took against what the cost model priced
+  them at, per kind of cycle and block size; the policy prices through it (``Corrected``),
+  so a calibration that landed badly on a busy machine is corrected as the loop runs.
 - ``Adaptive``: the per-request state the cycle asks for a block size and tells what was
   accepted; after falling back to plain decoding it probes the drafter now and then, and
   every few plain steps runs a shadow probe (the drafter's guess for the token the plain
@@ -52,6 +55,11 @@ CALIBRATION = 5  # bumped when calibrate() measures differently: older cost file
 # computes in two halves (cpu_split.MAX_ROWS).  Calibrated at COPY_ROWS, interpolated between.
 COPY_LARGEST = 15
 COPY_ROWS = (12, COPY_LARGEST)
+# Timing: each observed cycle counts against its prediction; an unseen block size falls back
+# on its kind's correction, an unseen kind on the calibration (worth TIMING_PRIOR cycles).
+TIMING_PRIOR = 3.0
+TIMING_DECAY = 0.9  # evidence kept per cycle of the same key: follows the machine's load
+TIMING_CLIP = 3.0  # one cycle counts as at most this many times its prediction (a stall)
 
 
 # --- the cost model -------------------------------------------------------------------
@@ -201,6 +209,64 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
 
     return CostModel(lines(target_pass, [1] + rows), lines(drafter_step, sizes),
                      calibration_s=time.perf_counter() - tic)
+
+
+# --- what cycles really take --------------------------------------------------------------
+
+@dataclass
+class Timing:
+    """Decayed sums of observed and predicted seconds per kind of cycle ("plain", "draft",
+    "copy") and per kind and block size ("draft4").  Calibration is a few seconds of timings
+    on a machine that may be busy: four calibrations in a row on an idle 2-core CPU here
+    priced a 4-row verify at 49 to 60 ms and a plain step at 44 to 48, and one that overprices
+    drafting sends a request to plain steps, where only its probes can show it wrong."""
+    observed: Dict[str, float] = field(default_factory=dict)
+    predicted: Dict[str, float] = field(default_factory=dict)
+    seen: set = field(default_factory=set)  # block sizes this process has run (not saved)
+
+    def record(self, kind: str, b: int, seconds: float, predicted: float):
+        if f"{kind}{b}" not in self.seen:  # a shape's first pass in a process allocates its
+            self.seen.add(f"{kind}{b}")  # buffers: not what the next ones will cost
+            return
+        seconds = min(seconds, TIMING_CLIP * predicted)
+        for key in (kind, f"{kind}{b}"):
+            self.observed[key] = self.observed.get(key, 0.0) * TIMING_DECAY + seconds
+            self.predicted[key] = self.predicted.get(key, 0.0) * TIMING_DECAY + predicted
+
+    def ratio(self, kind: str, b: int, predicted: float) -> float:
+        """Observed over predicted seconds for a cycle of this kind and block size, shrunk
+        towards the kind's ratio, which is shrunk towards 1 (the calibration)."""
+        w = TIMING_PRIOR * predicted
+        r = (self.observed.get(kind, 0.0) + w) / (self.predicted.get(kind, 0.0) + w)
+        key = f"{kind}{b}"
+        return (self.observed.get(key, 0.0) + w * r) / (self.predicted.get(key, 0.0) + w)
+
+
+def kind(b: int, copy: bool = False) -> str:
+    return "plain" if b == 1 else "copy" if copy else "draft"
+
+
+class Corrected:
+    """A cost model priced through ``Timing``: each cycle at what its kind and size took."""
+
+    def __init__(self, costs: CostModel, timing: Timing):
+        self.costs, self.timing = costs, timing
+
+    def cycle(self, b: int, context: int) -> float:
+        raw = self.costs.cycle(b, context)
+        return raw * self.timing.ratio(kind(b), b, raw)
+
+    def verify(self, b: int, context: int) -> float:
+        """A copy's cycle: a verify pass, no drafter pass."""
+        raw = self.costs.verify(b, context)
+        return raw * self.timing.ratio(kind(b, copy=True), b, raw)
+
+    def draft(self, b: int, context: int) -> float:
+        return self.costs.draft(b, context)
+
+    def observe(self, b: int, context: int, seconds: float, copy: bool = False):
+        raw = (self.costs.verify if copy else self.costs.cycle)(b, context)
+        self.timing.record(kind(b, copy), b, seconds, raw)
 
 
 # --- identities and the on-disk cache ---------------------------------------------------
@@ -373,6 +439,9 @@ class Fixed:
     def record(self, b: int, accepted: int):
         pass
 
+    def timed(self, b: int, seconds: float, copy: bool = False):
+        pass
+
     def shadow(self) -> bool:
         return False
 
@@ -396,8 +465,12 @@ class Adaptive:
     whether that draft would have been accepted."""
 
     def __init__(self, costs: CostModel, largest: int, acceptance: Acceptance, seeded: bool = False,
-                 shadow_budget: float = SHADOW_BUDGET, copy_largest: Optional[int] = None):
-        self.costs, self.largest, self.acceptance = costs, largest, acceptance
+                 shadow_budget: float = SHADOW_BUDGET, copy_largest: Optional[int] = None,
+                 timing: Optional[Timing] = None):
+        # With ``timing``, cycles are priced at what they really took (``timed``); without,
+        # at the cost model's figures (given ones: tests, simulations, the batch).
+        self.costs = Corrected(costs, timing) if timing is not None else costs
+        self.largest, self.acceptance = largest, acceptance
         self.copy_largest = copy_largest or largest  # the widest block a copy may verify
         self.fallback = False
         self.wait = PROBE_FIRST if seeded else 0
@@ -452,6 +525,11 @@ class Adaptive:
             self.wait = self._wait(self.backoff, b)
             self.backoff = min(2 * self.backoff, PROBE_MAX)
 
+    def timed(self, b: int, seconds: float, copy: bool = False):
+        """The wall time of a cycle of block ``b`` (a copy's, or a pipelined plain step's)."""
+        if isinstance(self.costs, Corrected):
+            self.costs.observe(b, self.context, seconds, copy)
+
     def shadow(self) -> bool:
         """Whether the plain step just chosen should carry a shadow probe."""
         if not self.fallback or self.shadow_budget <= 0:
@@ -499,32 +577,67 @@ def save_history(key: str, acceptance: Acceptance):
 def policy(target, drafter, block_size=AUTO, greedy: bool = True,
            costs: Optional[CostModel] = None, history: bool = True, largest: Optional[int] = None):
     """The block-size policy of one request: ``Fixed`` for a number, ``Adaptive`` for
-    "auto" (costs measured or cached unless given; acceptance seeded from this pair's
-    history unless ``history`` is False) choosing up to ``largest`` (default: the
-    drafter's trained block size)."""
+    "auto" choosing up to ``largest`` (default: the drafter's trained block size).  Unless
+    ``costs`` are given they are measured or cached, and corrected by the cycles this pair
+    really took on this machine (``Timing``); with ``history`` False a request starts from
+    nothing earlier requests saw (neither the pair's acceptance history nor its timing: a
+    seeded sampled request's text depends on its block sizes, which then depend only on the
+    cost file and the seed)."""
     if block_size != AUTO:
         return Fixed(block_size)
     positions = drafter.config.block_size - 1
     key = pair_key(target, drafter, greedy) if history else None
     hist = load_history(key, positions) if key else None
-    chosen = starting(costs or cost_model(target, drafter), largest or positions + 1, positions,
-                      hist, greedy, copy_largest=largest or max(positions + 1, COPY_LARGEST))
-    chosen.history_key = key
+    timing_key = cost_key(target, drafter) if costs is None and history else None
+    costs = costs or cost_model(target, drafter)
+    chosen = starting(costs, largest or positions + 1, positions, hist, greedy,
+                      copy_largest=largest or max(positions + 1, COPY_LARGEST),
+                      timing=timing_for(timing_key, costs) if timing_key else None)
+    chosen.history_key, chosen.timing_key = key, timing_key
     return chosen
 
 
 def starting(costs: CostModel, largest: int, positions: int, hist: Optional[Acceptance],
              greedy: bool = True, shadow_budget: float = SHADOW_BUDGET,
-             copy_largest: Optional[int] = None) -> Adaptive:
+             copy_largest: Optional[int] = None, timing: Optional[Timing] = None) -> Adaptive:
     """A request's ``Adaptive`` policy, seeded from the pair's history ``hist`` (worth
     SEED_WEIGHT cycles) when there is one, else from the prior."""
     start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(
         positions, PRIOR_WEIGHT if greedy else SAMPLED_PRIOR_WEIGHT)
     return Adaptive(costs, largest, start, seeded=hist is not None, shadow_budget=shadow_budget,
-                    copy_largest=copy_largest)
+                    copy_largest=copy_largest, timing=timing)
+
+
+_timings: Dict[str, Tuple[float, Timing]] = {}
+
+
+def timing_path(key: str) -> Path:
+    return cache_dir() / f"timing-{key}.json"
+
+
+def timing_for(key: str, costs: CostModel) -> Timing:
+    """This process's ``Timing`` of the cost model ``costs`` (shared by its requests): at
+    first the one saved by an earlier process, unless it corrected another calibration."""
+    created, timing = _timings.get(key, (None, None))
+    if created != costs.created:
+        data = _read(timing_path(key)) or {}
+        try:
+            if data.get("created") != costs.created:
+                raise ValueError("another calibration")
+            timing = Timing({str(k): float(v) for k, v in data["observed"].items()},
+                            {str(k): float(v) for k, v in data["predicted"].items()})
+        except (AttributeError, KeyError, TypeError, ValueError):
+            timing = Timing()
+        _timings[key] = (costs.created, timing)
+    return timing
 
 
 def remember(chosen):
-    """Save an adaptive request's acceptance into its pair's history."""
+    """Save an adaptive request's acceptance into its pair's history, and the timing."""
     if getattr(chosen, "history_key", None):
         save_history(chosen.history_key, chosen.acceptance)
+    if getattr(chosen, "timing_key", None):
+        costs = chosen.costs
+        _write(timing_path(chosen.timing_key), {"created": costs.costs.created,
+                                                "observed": costs.timing.observed,
+                                                "predicted": costs.timing.predicted})

@@ -12,6 +12,7 @@ drafter pass, verified and accepted the same way.  Yields (token, logprobs, from
 stats) per token.
 """
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
@@ -130,7 +131,13 @@ def speculative_generate_step(
             copier.extend([token])
         return token
 
+    steady = None  # when the last plain step began, if it waited for the one before it
+
     while emitted + (pending is not None) < max_tokens:
+        tic = time.perf_counter()
+        if steady is not None:  # pipelined: a plain step takes what one iteration takes
+            policy.timed(1, tic - steady)
+            steady = None
         if copier is not None and copier.repeating and pending is not None and policy.largest > 1:
             # The sequence is repeating itself: read the plain step's token now (out of the
             # pipeline) so that the next block can be a copy that starts after it.
@@ -160,12 +167,14 @@ def speculative_generate_step(
             if pending is not None:
                 yield take(pending), pending[1], False, stats
                 emitted += 1
+                steady = tic
             pending = step
             continue
         if pending is not None:  # drafting resumes from the last plain step's token
             anchor = take(pending)
             yield anchor, pending[1], False, stats
             emitted, pending = emitted + 1, None
+        tic = time.perf_counter()
         copying = bool(copy) and policy.copying
         if copying:  # a copy of what followed the repeated tokens last time: no drafter pass
             draft = mx.array(copy[: b - 1])
@@ -192,6 +201,7 @@ def speculative_generate_step(
         policy.record(b, accepted)
         stats.record(b, accepted, policy.fallback, copying)
         new = draft[:accepted].tolist() + [bonus]
+        policy.timed(b, time.perf_counter() - tic, copying)
         if copier is not None:
             copier.extend(new)
         for i, token in enumerate(new):

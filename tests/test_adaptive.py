@@ -48,6 +48,9 @@ class Scripted:
     def record(self, b, accepted):
         pass
 
+    def timed(self, b, seconds, copy=False):
+        pass
+
     def shadow(self):
         self.plain += 1
         return self.plain % 2 == 1
@@ -531,6 +534,85 @@ def test_seeded_requests_use_the_history_only_when_greedy(pair, tmp_path, monkey
     adaptive._costs.clear()
     assert set(sizes[0.0]) == {1}  # the history says this drafter is weak here: plain
     assert max(sizes[1.0]) > 1  # no history: the prior says draft
+
+
+# --- what cycles really take ------------------------------------------------------------------------
+
+def test_timing_corrects_the_calibration_by_kind_and_block():
+    t = adaptive.Timing()
+    assert t.ratio("draft", 4, 0.06) == t.ratio("plain", 1, 0.05) == 1.0  # nothing seen: the calibration
+    for b in (4, 1):
+        t.record("draft" if b > 1 else "plain", b, 1.0, 0.05)  # a first pass in a process: not counted
+    assert t.observed == {}
+    for _ in range(10):
+        t.record("draft", 4, 0.03, 0.06)  # drafted cycles of 4 take half what they were priced at
+    four, eight = t.ratio("draft", 4, 0.06), t.ratio("draft", 8, 0.07)
+    assert 0.5 < four < eight < 0.8  # block 4 seen itself; block 8 follows its kind, more cautiously
+    assert t.ratio("copy", 4, 0.05) == t.ratio("plain", 1, 0.05) == 1.0  # other kinds: unchanged
+    for _ in range(30):
+        t.record("draft", 4, 0.09, 0.06)  # the machine got busy: the estimate follows it
+    assert 1.3 < t.ratio("draft", 4, 0.06) < 1.5
+    t.record("plain", 1, 10.0, 0.05)  # a stall counts as at most TIMING_CLIP predictions
+    assert t.observed["plain"] == pytest.approx(adaptive.TIMING_CLIP * 0.05)
+
+
+def test_cycles_timed_in_the_loop_move_the_choice():
+    """A calibration that overpriced drafting sends a weak-ish drafter to plain steps; the
+    probes' real times bring it back.  Without timing (given costs) nothing moves."""
+    weak = lambda: Acceptance([20.0] * 7, [4.0] * 7)  # ~0.2 a position: 1.2 tokens for 1.3 steps
+    timed = Adaptive(CPU, 8, weak(), seeded=True, timing=adaptive.Timing())
+    fixed = Adaptive(CPU, 8, weak(), seeded=True)
+    for policy in (timed, fixed):
+        assert policy.block_size(0) == 1 and policy.fallback
+        for _ in range(7):  # probes of block 2 that took 60% of their price (the first: warm-up)
+            policy.timed(2, 0.6 * CPU.cycle(2, 0))
+    assert timed.block_size(0) > 1 and not timed.fallback
+    assert fixed.block_size(0) == 1
+
+
+def test_the_loop_times_drafted_cycles_and_pipelined_plain_steps(pair):
+    """Every drafted cycle is timed; a plain step only when it waited for the one before it
+    (the first of a run only starts the pipeline)."""
+    model, tok, drafter = pair["qwen3"]
+    policy = Scripted(SCRIPT)
+    seen = []
+    policy.timed = lambda b, seconds, copy=False: seen.append((b, seconds, copy))
+    run(model, drafter, tok.encode("abcab dcba"), 40, policy, lookup=False)
+    chosen = [SCRIPT[i % len(SCRIPT)] for i in range(policy.i)]
+    steady = [b for i, b in enumerate(chosen) if b == 1 and i and chosen[i - 1] == 1]
+    drafted = [b for b in chosen if b > 1]
+    assert [b for b, _, _ in seen if b > 1] == drafted
+    assert len(steady) - 1 <= sum(b == 1 for b, _, _ in seen) <= len(steady)
+    assert all(seconds > 0 and not copy for _, seconds, copy in seen)
+
+
+def test_timing_is_kept_for_measured_costs_and_the_next_process(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    model, tok, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    key = adaptive.cost_key(target, drafter)
+    adaptive._costs[key] = measured = CostModel(CPU.target, CPU.drafter)
+    try:
+        chosen = adaptive.policy(target, drafter)
+        assert isinstance(chosen.costs, adaptive.Corrected)
+        assert chosen.costs.timing is adaptive.policy(target, drafter).costs.timing  # one per process
+        # Given costs, or a request that starts from nothing earlier ones saw: as calibrated.
+        assert not isinstance(adaptive.policy(target, drafter, costs=CPU).costs, adaptive.Corrected)
+        assert not isinstance(adaptive.policy(target, drafter, history=False).costs, adaptive.Corrected)
+        list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16))
+        observed = dict(adaptive.timing_for(key, measured).observed)
+        assert observed and all(v > 0 for v in observed.values())
+        adaptive._timings.clear()  # a new process: the timing comes from disk
+        assert adaptive.policy(target, drafter).costs.timing.observed == pytest.approx(observed)
+        adaptive._timings.clear()  # ... unless it corrected another calibration
+        recalibrated = CostModel(CPU.target, CPU.drafter, created=measured.created + 1)
+        assert adaptive.timing_for(key, recalibrated).observed == {}
+        adaptive._timings.clear()
+        adaptive.timing_path(key).write_text("{not json")
+        assert adaptive.timing_for(key, measured).observed == {}
+    finally:
+        adaptive._costs.clear()
+        adaptive._timings.clear()
 
 
 # --- sampling stays exact -------------------------------------------------------------------------
