@@ -9,6 +9,11 @@ together, see below) and leave (finished or aborted).
 
 The batched caches and the batched drafter pass are in ``batch_cache.py``.
 
+Copies (``lookup.py``): a sequence whose last tokens occurred before verifies the tokens
+that followed them then instead of its draft, within the batch's block (no propose for it;
+at T>0 its rows q are one-hot), where its own copies' acceptance promises more than the
+drafter's (a fixed block size always copies, as a single stream does).
+
 Random draws: each sampled sequence owns a PRNG key, swapped in around its draws, so it
 draws exactly what a single stream seeded the same way draws, whatever else is in the
 batch; a sequence without a seed gets a key drawn from the global generator.
@@ -29,6 +34,7 @@ from .adaptive import _interp
 from .batch_cache import TargetBatch, batch_layers, draft_hidden
 from .draft_context import DraftContext
 from .drafter import Drafter, propose
+from .lookup import Lookup, one_hot_rows
 from .sampling import SamplingParams, probs, processed_logprobs, sample
 from .speculative import CycleStats
 from .target import attach
@@ -84,6 +90,8 @@ class _Sequence:
     stats: Optional[CycleStats] = None
     finish: Optional[str] = None
     last: Optional[Response] = None  # its latest response
+    copier: Optional[Lookup] = None  # every token it has read (copies on)
+    copies: Optional[adaptive.Acceptance] = None  # ... and how far its copies were accepted
 
 
 def accept_lazy(logprobs: mx.array, draft: Optional[mx.array], q: Optional[mx.array],
@@ -169,12 +177,13 @@ class BatchGenerator:
     sequence's acceptance, its costs those of the whole batch: ``BatchCosts``), or a policy
     object (one whose ``costs`` are ``BatchCosts`` is told the batch's size each cycle).
     ``batch_drafter``: one drafter pass for all blocks (else one per sequence).
-    ``max_batch``: sequences that run together; more wait for a place."""
+    ``max_batch``: sequences that run together; more wait for a place.  ``lookup``: a
+    sequence may verify a copy of its own earlier tokens instead of its draft."""
 
     def __init__(self, model, drafter: Drafter, *, block_size=adaptive.AUTO,
                  draft_window: Optional[int] = None, prefill_step_size: int = 2048,
                  batch_drafter: bool = True, return_caches: bool = False,
-                 max_batch: Optional[int] = None):
+                 max_batch: Optional[int] = None, lookup: bool = True):
         self.target = attach(model, drafter)
         self.drafter = drafter
         self.batch = TargetBatch(batch_layers(self.target))
@@ -193,6 +202,7 @@ class BatchGenerator:
         self.batch_drafter = batch_drafter
         self.return_caches = return_caches
         self.max_batch = max_batch or float("inf")
+        self.lookup = lookup
         self.waiting: List[_Sequence] = []
         self.active: List[_Sequence] = []  # in the batch's row order
         self._next_uid = 0
@@ -270,6 +280,10 @@ class BatchGenerator:
                 logprobs = processed_logprobs(logits, s.prompt[:-1], s.prompt[-1:], s.processors)
                 with _KeyScope(s):
                     s.anchor = int(sample(logprobs, s.params)[0].item())
+                if self.lookup:
+                    s.copier = Lookup(s.prompt.tolist() + [s.anchor])
+                    s.copies = adaptive.Acceptance.empty(max(self.policy.largest - 1, 1), adaptive.PRIOR_WEIGHT,
+                                                         adaptive.COPY_PRIOR_RATE)
                 out += self._emit(s, [s.anchor], logprobs, 0)
             self.batch.extend(batch)
             self.active += seqs
@@ -326,14 +340,19 @@ class BatchGenerator:
         b = self.policy.block_size(max(s.history.size for s in seqs))
         anchors = mx.array([s.anchor for s in seqs], dtype=mx.int32)[:, None]
         drafts, qs = [], []
+        copies = self._copies(b)
         if b > 1:
             mask = self.drafter.config.mask_token_id
             blocks = mx.array([[s.anchor] + [mask] * (b - 1) for s in seqs])
-            hidden = self._draft(blocks)
+            hidden = self._draft(blocks) if not all(copies) else None
             for i, s in enumerate(seqs):
-                with _KeyScope(s):
-                    draft, q = propose(self.drafter, hidden[i : i + 1], mx.array(s.anchor),
-                                       s.params)
+                if copies[i]:  # no drafter pick: nothing drawn from its key
+                    draft = mx.array(copies[i], dtype=mx.int32)
+                    q = None if s.params.greedy else one_hot_rows(draft, self.drafter.config.vocab_size)
+                else:
+                    with _KeyScope(s):
+                        draft, q = propose(self.drafter, hidden[i : i + 1], mx.array(s.anchor),
+                                           s.params)
                 drafts.append(draft.astype(mx.int32))
                 qs.append(q)
             verify = mx.concatenate([anchors, mx.stack(drafts)], axis=1)
@@ -356,14 +375,31 @@ class BatchGenerator:
             self.batch.replay(self.target, saved, verify, kept)
         self.batch.rows.commit(kept)
         self.batch.compact()
-        self._record(b, accepted)
+        self._record(b, accepted, copies)
         out = []
         for i, (s, ids) in enumerate(zip(seqs, verify.tolist())):
             s.context.add(features[i : i + 1, : kept[i]])
             s.history = mx.concatenate([s.history, verify[i, : kept[i]].astype(s.history.dtype)])
-            s.stats.record(b, accepted[i], self.policy.fallback)
-            out += self._emit(s, ids[1 : kept[i]] + [bonus[i]], rows[i], accepted[i])
+            s.stats.record(b, accepted[i], self.policy.fallback, bool(copies[i]))
+            new = ids[1 : kept[i]] + [bonus[i]]
+            if s.copier is not None:
+                s.copier.extend(new)
+            out += self._emit(s, new, rows[i], accepted[i])
             s.anchor = bonus[i]
+        return out
+
+    def _copies(self, b: int) -> List[Optional[List[int]]]:
+        """Each sequence's copy for a block of ``b`` (None: it drafts).  A copy is taken where
+        the sequence's copies are expected to be accepted further than the batch's drafts
+        (a policy without an acceptance estimate, a fixed block size: always)."""
+        out = []
+        drafter = getattr(self.policy, "acceptance", None)
+        drafted = adaptive.expected_tokens(drafter.rates(), b) if drafter is not None else 0.0
+        for s in self.active:
+            copy = s.copier.draft(b - 1) if s.copier is not None and b > 1 else []
+            if copy and adaptive.expected_tokens(s.copies.rates(), b) <= drafted:
+                copy = []
+            out.append(copy or None)
         return out
 
     def _draft(self, blocks: mx.array) -> mx.array:
@@ -372,12 +408,16 @@ class BatchGenerator:
             return draft_hidden(self.drafter, blocks, contexts)
         return mx.concatenate([self.drafter(blocks[i : i + 1], c) for i, c in enumerate(contexts)])
 
-    def _record(self, b: int, accepted: List[int]):
-        """The policy learns from every sequence's draft, but counts a plain step once."""
+    def _record(self, b: int, accepted: List[int], copies: List[Optional[List[int]]]):
+        """The policy learns from every sequence's draft, but counts a plain step once; a
+        copy teaches only its own sequence's copies."""
         if b == 1:
             self.policy.record(1, 0)
-        else:
-            for a in accepted:
+            return
+        for s, a, copy in zip(self.active, accepted, copies):
+            if copy:
+                s.copies.record(b, a)
+            else:
                 self.policy.record(b, a)
 
     def _emit(self, s: _Sequence, tokens: List[int], logprobs: mx.array, drafted: int):

@@ -7,7 +7,8 @@ counts every token over the whole run (prefill included); "dec tok/s" the tokens
 first call (prefill and one cycle) over the time after it (one at a time: after each
 request's first token).  Each row
 also runs the same prompts one at a time (single-stream DFlash, as the server does today)
-unless ``--no-sequential``.  At T=0 every stream's tokens must equal its single-stream
+unless ``--no-sequential``.  Both copy where the text repeats itself (as ``generate`` and the
+server do) unless ``--no-copies``.  At T=0 every stream's tokens must equal its single-stream
 tokens (``mismatch`` counts the streams that differ).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -43,10 +44,10 @@ def block_policy(target, drafter, block):
     return adaptive.policy(target, drafter, adaptive.AUTO) if block == "auto" else int(block)
 
 
-def run_batch(model, drafter, ids, max_tokens, block, stop, batch_drafter=True):
+def run_batch(model, drafter, ids, max_tokens, block, stop, batch_drafter=True, lookup=True):
     target = attach(model, drafter)
     gen = BatchGenerator(model, drafter, block_size=block_policy(target, drafter, block),
-                         batch_drafter=batch_drafter)
+                         batch_drafter=batch_drafter, lookup=lookup)
     uids = [gen.insert(p, max_tokens=max_tokens, stop_tokens=stop) for p in ids]
     tokens = {u: [] for u in uids}
     done, stats = {}, {}
@@ -64,7 +65,7 @@ def run_batch(model, drafter, ids, max_tokens, block, stop, batch_drafter=True):
     return [tokens[u] for u in uids], [done[u] for u in uids], taus, wall, gen_tps
 
 
-def run_sequential(model, drafter, ids, max_tokens, block, stop):
+def run_sequential(model, drafter, ids, max_tokens, block, stop, lookup=True):
     """The same prompts one after another: latency includes the wait for earlier ones."""
     target = attach(model, drafter)
     out, done, taus, decode = [], [], [], 0.0
@@ -73,7 +74,7 @@ def run_sequential(model, drafter, ids, max_tokens, block, stop):
         toks, stats = [], None
         for t, _, _, stats in speculative_generate_step(
                 mx.array(p), target, drafter, max_tokens=max_tokens,
-                block_size=block_policy(target, drafter, block), lookup=False):  # as the batch
+                block_size=block_policy(target, drafter, block), lookup=lookup):
             toks.append(t)
             if len(toks) == 1:
                 first = time.perf_counter()
@@ -104,6 +105,8 @@ def main():
     ap.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time rows")
     ap.add_argument("--per-sequence-drafter", action="store_true",
                     help="one drafter pass per stream instead of one for the batch")
+    ap.add_argument("--copies", action=argparse.BooleanOptionalAction, default=True,
+                    help="copies where the text repeats itself (batch and sequential)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
 
@@ -121,10 +124,11 @@ def main():
             modes = [("batch", False)] + ([] if args.no_sequential else [("sequential", True)])
             for kind, sequential in modes:
                 if sequential:
-                    result = run_sequential(model, drafter, ids[:n], args.max_tokens, block, stop)
+                    result = run_sequential(model, drafter, ids[:n], args.max_tokens, block, stop,
+                                            args.copies)
                 else:
                     result = run_batch(model, drafter, ids[:n], args.max_tokens, block, stop,
-                                       not args.per_sequence_drafter)
+                                       not args.per_sequence_drafter, args.copies)
                 tokens = result[0]
                 ref = ref or {}
                 mismatch = sum(1 for i, t in enumerate(tokens) if ref.setdefault(i, t) != t)

@@ -30,11 +30,11 @@ PROMPTS = ["abcab dcba", "a", "dd cb", "abcdabcdabcd ab", "cab"]
 LIMITS = [24, 9, 17, 24, 1]  # mixed lengths, one that ends at its first token
 
 
-def single(model, drafter, prompt, n, block_size, **kw):
-    """Tokens and stats of the single-stream cycle drafting every block, as the batch does
-    (it does not copy)."""
+def single(model, drafter, prompt, n, block_size, lookup=False, **kw):
+    """Tokens and stats of the single-stream cycle (copying where the text repeats when
+    ``lookup``, as the batch does then at a fixed block size)."""
     steps = speculative_generate_step(mx.array(prompt), attach(model, drafter), drafter,
-                                      max_tokens=n, block_size=block_size, lookup=False, **kw)
+                                      max_tokens=n, block_size=block_size, lookup=lookup, **kw)
     tokens, stats = [], None
     for t, _, _, stats in steps:
         tokens.append(t)
@@ -72,30 +72,34 @@ def run(gen, on_step=None):
     return tokens, last
 
 
-def check_parity(model, tok, drafter, block_sizes, batched_drafter=(True,)):
-    """Each sequence of a mixed batch emits its plain mlx-lm tokens and drafts what its
-    single stream drafts (same acceptance: the drafter saw the same context)."""
+def check_parity(model, tok, drafter, block_sizes, batched_drafter=(True,), lookup=True):
+    """Each sequence of a mixed batch emits its plain mlx-lm tokens and drafts (and copies)
+    what its single stream drafts (same acceptance: the drafter saw the same context)."""
     prompts = [tok.encode(p) for p in PROMPTS]
     refs = [plain_tokens(model, p, n) for p, n in zip(prompts, LIMITS)]
-    accepted_any = False
+    accepted_any = copied_any = False
     for b in block_sizes:
-        ref_stats = [single(model, drafter, p, n, b)[1] for p, n in zip(prompts, LIMITS)]
+        ref_stats = [single(model, drafter, p, n, b, lookup)[1] for p, n in zip(prompts, LIMITS)]
         for batched in batched_drafter:
-            gen = BatchGenerator(model, drafter, block_size=b, batch_drafter=batched)
+            gen = BatchGenerator(model, drafter, block_size=b, batch_drafter=batched, lookup=lookup)
             uids = [gen.insert(p, max_tokens=n) for p, n in zip(prompts, LIMITS)]
             tokens, last = run(gen)
             for i, uid in enumerate(uids):
                 assert tokens[uid] == refs[i], f"block {b} sequence {i}: diverged"
                 assert last[uid].finish_reason == "length"
-                assert last[uid].stats.total_accepted == ref_stats[i].total_accepted
-                assert last[uid].stats.cycles == ref_stats[i].cycles
-                accepted_any |= ref_stats[i].total_accepted > 0
+                got, ref = last[uid].stats, ref_stats[i]
+                assert (got.total_accepted, got.cycles, got.copies, got.copied) == \
+                    (ref.total_accepted, ref.cycles, ref.copies, ref.copied)
+                accepted_any |= ref.total_accepted > ref.copied
+                copied_any |= ref.copied > 0
     assert accepted_any, "no draft token was ever accepted: the test pair tests nothing"
+    assert copied_any == lookup, "copies on: some copied token accepted; off: none"
 
 
 def test_greedy_parity_mixed_batch_all_block_sizes(pairs):
     check_parity(*pairs["qwen3"], range(1, 9))
     check_parity(*pairs["qwen3"], [4], batched_drafter=(False,))
+    check_parity(*pairs["qwen3"], [2, 5], lookup=False)
 
 
 @pytest.mark.parametrize("family", FAMILIES[1:] + ["qwen3-v1"])
@@ -252,22 +256,25 @@ def test_seeded_sampled_sequence_matches_its_single_stream(pairs, family, block_
     cases = [("abcab dcba", SamplingParams(temp=1.0), 11),
              ("dd cb", SamplingParams(temp=0.7, top_k=3), 5),
              ("bca", SamplingParams(temp=0.9, top_p=0.9), 12)]
-    refs = []
-    for text, params, seed in cases:
-        mx.random.seed(seed)
-        refs.append(single(model, drafter, tok.encode(text), 20, block_size, params=params)[0])
-    gen = BatchGenerator(model, drafter, block_size=block_size)
-    gen.insert(tok.encode("abcd"), max_tokens=20)  # greedy neighbour
-    gen.insert(tok.encode("cab"), max_tokens=20, params=SamplingParams(temp=1.0))
-    uids = [gen.insert(tok.encode(t), max_tokens=20, params=pa, seed=s) for t, pa, s in cases]
-    tokens, _ = run(gen)
-    for uid, ref in zip(uids, refs):
-        assert tokens[uid] == ref
+    for lookup in (True, False):
+        refs = []
+        for text, params, seed in cases:
+            mx.random.seed(seed)
+            refs.append(single(model, drafter, tok.encode(text), 20, block_size, lookup,
+                               params=params)[0])
+        gen = BatchGenerator(model, drafter, block_size=block_size, lookup=lookup)
+        gen.insert(tok.encode("abcd"), max_tokens=20)  # greedy neighbour
+        gen.insert(tok.encode("cab"), max_tokens=20, params=SamplingParams(temp=1.0))
+        uids = [gen.insert(tok.encode(t), max_tokens=20, params=pa, seed=s) for t, pa, s in cases]
+        tokens, last = run(gen)
+        for uid, ref in zip(uids, refs):
+            assert tokens[uid] == ref
+        assert (sum(last[uid].stats.copies for uid in uids) > 0) == lookup  # copies were sampled too
 
 
 def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tmp_path):
-    """Two sampled settings (one with a repetition penalty) and a greedy one share every
-    batch; each sampled setting's first three tokens pass the chi-square test against the
+    """Two sampled settings (one with a repetition penalty, one whose prompt repeats itself,
+    so that its blocks are often copies) and a greedy one share every batch; each sampled setting's first three tokens pass the chi-square test against the
     exact target distribution and fail it against a nearby wrong one; the greedy ones stay
     exact.  600 samples a setting (test_sampling takes 1200 for one single stream)."""
     make_target(tmp_path / "t", "qwen3", alphabet="ab", seed=5, scale=1.5)
@@ -275,13 +282,15 @@ def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tm
     model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
     rep = (3.0, 4)
     procs = make_logits_processors(repetition_penalty=rep[0], repetition_context_size=rep[1])
-    settings = {"a": ("ab", dict(temp=0.8, top_p=0.9), None),
+    # "abab" repeats itself: its blocks are copies where the first token continues it.
+    settings = {"a": ("abab", dict(temp=1.0, top_p=0.95), None),
                 "b": ("ba", dict(temp=1.2, top_k=4, min_p=0.05), procs)}
     greedy_prompt = tok.encode("bab")
     greedy_ref = plain_tokens(model, greedy_prompt, 3)
     N, per_batch = 600, 100
     counts = {k: {} for k in settings}
     accepted = {k: 0 for k in settings}
+    copies = {k: [0, 0, 0] for k in settings}  # cycles, copies, copied tokens accepted
     mx.random.seed(0)
     for _ in range(N // per_batch):
         gen = BatchGenerator(model, drafter, block_size=3)
@@ -300,6 +309,8 @@ def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tm
             key = tuple(tokens[uid])
             counts[k][key] = counts[k].get(key, 0) + 1
             accepted[k] += last[uid].stats.total_accepted
+            st = last[uid].stats
+            copies[k] = [copies[k][0] + st.cycles, copies[k][1] + st.copies, copies[k][2] + st.copied]
     for k, (text, kw, pr) in settings.items():
         prompt = tok.encode(text)
         r = rep if pr is not None else None
@@ -307,6 +318,9 @@ def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tm
         p = chi2_pvalue(counts[k], joint, N)
         assert p > 1e-3, f"setting {k}: tokens do not follow the target distribution (p = {p:.2e})"
         assert 0 < accepted[k] < 2 * N  # drafts both accepted and rejected
+        cycles, copied_blocks, copied = copies[k]
+        if k == "a":  # copies verified, a copied token sometimes accepted, sometimes not
+            assert 0 < copied_blocks < cycles and 0 < copied < 2 * copied_blocks
         # Power: the samples reject a nearby wrong distribution (for the penalized setting,
         # the same one without its penalty: the processor reached this sequence's rows).
         wrong_kw = dict(kw, rep=None) if r else dict(kw, rep=None, temp=kw["temp"] * 2)

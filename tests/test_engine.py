@@ -282,8 +282,8 @@ def test_pool_memory_budget(models, tmp_path):
 def test_concurrent_requests_share_the_batch_and_each_keeps_its_text(models, reference, block):
     """Requests that run together are verified in one batch; each greedy one still gets
     exactly its generate() text (mixed prompts and lengths, a stop string, an abort), and
-    the seeded sampled one its single-stream text: under adaptive block sizes, and under a
-    fixed one with copies (the batch does not copy), it runs next to the batch."""
+    the seeded sampled one its single-stream text: under adaptive block sizes it runs next to
+    the batch, under a fixed one in it (the batch copies as its single stream does)."""
     _, target, drafter = models
     e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter),
                                      dflash_block_size=block),

@@ -19,8 +19,8 @@ its caches over through the prefix cache and goes on in the batch from where it 
 the batch cannot serve run as their own stepped job next to it, one token a step, each with
 its own random key: plain decoding (no drafter, ``dflash_max_ctx``), targets the batch
 refuses (sliding windows), ``max_batch`` 1 (the one-at-a-time server), and seeded sampled
-requests with adaptive block sizes or copies (the batch's block sizes depend on its other
-sequences, it does not copy, and a seed promises its single-stream text).
+requests with adaptive block sizes (the batch's block sizes depend on its other sequences,
+and a seed promises its single-stream text).
 """
 
 import asyncio
@@ -544,8 +544,8 @@ class Engine:
         if not self._batchable or self._max_batch() < 2 or mode == "off":
             return False
         # A seeded sampled request gets its single-stream text: in the batch only where the
-        # batch drafts exactly as its single stream would (a fixed block size, no copies).
-        fixed = mode == "dflash" and s.dflash_block_size is not None and not s.dflash_copies
+        # batch drafts and copies exactly as its single stream would (a fixed block size).
+        fixed = mode == "dflash" and s.dflash_block_size is not None
         sampled = self._sampling(request.params)["temp"] > 0
         return fixed or not (sampled and request.params.get("seed") is not None)
 
@@ -632,7 +632,7 @@ class Engine:
 
         return BatchGenerator(self._model, self._drafter, block_size=self._block_policy(),
                               draft_window=self.settings.dflash_draft_window or None,
-                              return_caches=True)
+                              return_caches=True, lookup=self.settings.dflash_copies)
 
     def _join(self, gen, joined: Dict[int, "_Joined"], request: _Request, push,
               carry: Optional["_Carry"] = None):
