@@ -19,7 +19,7 @@ from dflash2_mlx.bench import default_bench_files
 from dflash2_mlx.defaults import drafter_path
 from dflash2_mlx.evaluate import greedy_responses, leading, load_benches, offline_hits
 from dflash2_mlx.loading import load_drafter
-from dflash2_mlx.lookup import Lookup
+from dflash2_mlx.lookup import MIN_N, Lookup
 from dflash2_mlx.smollm2 import default_target_path
 from dflash2_mlx.target import attach
 
@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=5)
     ap.add_argument("--draft", default=None, help="drafter directory (default: the shipped DFlash 2)")
+    ap.add_argument("--min-n", type=int, default=MIN_N, help="shortest repeat that offers a copy")
     args = ap.parse_args()
     B, T = args.block_size, args.block_size - 1
     model, tok = mlx_lm.load(str(default_target_path()))
@@ -43,7 +44,7 @@ def main():
         for ids, start in greedy_responses(model, tok, prompts[args.first : args.last], args.max_tokens):
             _, _, walk = offline_hits(target, drafter, ids, start, B, 16)
             anchors = range(max(start, 1), len(ids) - B + 1)
-            copier = Lookup(ids[: anchors.start])
+            copier = Lookup(ids[: anchors.start], min_n=args.min_n)
             for j, a in enumerate(anchors):
                 copier.extend([ids[a]])
                 copy = copier.draft(T)
