@@ -60,6 +60,7 @@ COPY_ROWS = (12, COPY_LARGEST)
 TIMING_PRIOR = 3.0
 TIMING_DECAY = 0.9  # evidence kept per cycle of the same key: follows the machine's load
 TIMING_CLIP = 3.0  # one cycle counts as at most this many times its prediction (a stall)
+TIMING_FORMAT = 2  # bumped when the loop times cycles differently: older timing files are dropped
 
 
 # --- the cost model -------------------------------------------------------------------
@@ -622,8 +623,8 @@ def timing_for(key: str, costs: CostModel) -> Timing:
     if created != costs.created:
         data = _read(timing_path(key)) or {}
         try:
-            if data.get("created") != costs.created:
-                raise ValueError("another calibration")
+            if data.get("created") != costs.created or data.get("format") != TIMING_FORMAT:
+                raise ValueError("another calibration, or timed another way")
             timing = Timing({str(k): float(v) for k, v in data["observed"].items()},
                             {str(k): float(v) for k, v in data["predicted"].items()})
         except (AttributeError, KeyError, TypeError, ValueError):
@@ -638,6 +639,6 @@ def remember(chosen):
         save_history(chosen.history_key, chosen.acceptance)
     if getattr(chosen, "timing_key", None):
         costs = chosen.costs
-        _write(timing_path(chosen.timing_key), {"created": costs.costs.created,
+        _write(timing_path(chosen.timing_key), {"created": costs.costs.created, "format": TIMING_FORMAT,
                                                 "observed": costs.timing.observed,
                                                 "predicted": costs.timing.predicted})

@@ -132,6 +132,9 @@ def speculative_generate_step(
         return token
 
     steady = None  # when the last plain step began, if it waited for the one before it
+    # Whether the last cycle drafted: only then is a draft's time its own (after plain steps or
+    # a copy the drafter first reads the rows they committed, work those steps put off).
+    drafted = False
 
     while emitted + (pending is not None) < max_tokens:
         tic = time.perf_counter()
@@ -163,6 +166,7 @@ def speculative_generate_step(
             history = mx.concatenate([history, token])
             policy.record(1, 0)
             stats.record(1, 0, policy.fallback)
+            drafted = False
             stats.shadows += shadow
             if pending is not None:
                 yield take(pending), pending[1], False, stats
@@ -201,7 +205,9 @@ def speculative_generate_step(
         policy.record(b, accepted)
         stats.record(b, accepted, policy.fallback, copying)
         new = draft[:accepted].tolist() + [bonus]
-        policy.timed(b, time.perf_counter() - tic, copying)
+        if copying or drafted:
+            policy.timed(b, time.perf_counter() - tic, copying)
+        drafted = not copying
         if copier is not None:
             copier.extend(new)
         for i, token in enumerate(new):

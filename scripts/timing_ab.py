@@ -67,5 +67,9 @@ if __name__ == "__main__":
             totals[timed].append(seconds)
             print(f"round {r} {'timed' if timed else 'calibration only'}: {seconds:.2f} s, "
                   f"{tokens / seconds:.1f} tok/s, blocks {blocks}", flush=True)
+            if timed:  # what the timing learned: observed / priced, per kind and block size
+                t = adaptive._timings[adaptive.cost_key(target, drafter)][1]
+                print("  observed / priced:", {k: round(t.observed[k] / t.predicted[k], 2)
+                                               for k in sorted(t.observed)}, flush=True)
     on, off = sum(totals[True]), sum(totals[False])
     print(f"timed {on:.2f} s vs calibration only {off:.2f} s: {off / on:.3f}x")
