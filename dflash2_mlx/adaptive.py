@@ -527,7 +527,8 @@ class Adaptive:
             self.backoff = min(2 * self.backoff, PROBE_MAX)
 
     def timed(self, b: int, seconds: float, copy: bool = False):
-        """The wall time of a cycle of block ``b`` (a copy's, or a pipelined plain step's)."""
+        """The wall time of a cycle of block ``b``: a copy's, a drafted cycle's that followed
+        a drafted one, or a pipelined plain step's (``speculative.py`` says which it times)."""
         if isinstance(self.costs, Corrected):
             self.costs.observe(b, self.context, seconds, copy)
 
