@@ -83,7 +83,11 @@ def _bias(bias):
 
 def test_same_prompt_twice_and_budget(pair):
     target, drafter, reference = pair
-    engine = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)),
+    # A fixed block size: an entry keeps the rows its request's last cycle left, and adaptive
+    # block sizes follow the machine's timing, which would make the budget arithmetic below
+    # depend on it.
+    engine = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter),
+                                          dflash_block_size=4),
                     model_id="t", prefix_cache_gb=0.0)
     asyncio.run(engine.start())
     try:
