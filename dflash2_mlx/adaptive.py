@@ -392,6 +392,12 @@ class Acceptance:
             out.append(prev)
         return out
 
+    @classmethod
+    def copies(cls, positions: int) -> "Acceptance":
+        """A request's copies before any was verified: tried (COPY_PRIOR_RATE), learned
+        within the request only."""
+        return cls.empty(positions, PRIOR_WEIGHT, COPY_PRIOR_RATE)
+
     def scaled(self, weight: float) -> "Acceptance":
         """The same rates, as if ``weight`` cycles had reached the first position."""
         f = weight / self.reached[0] if self.reached and self.reached[0] else 0.0
@@ -482,7 +488,7 @@ class Adaptive:
         # pair's history (tried), a few requests that copied badly kept later ones from ever
         # copying, and with the drafter's prior a drafter accepted well was never weighed
         # against a copy's real acceptance (the quick start: 0 or 26 copies, run to run).
-        self.copies = Acceptance.empty(self.copy_largest - 1, PRIOR_WEIGHT, COPY_PRIOR_RATE)
+        self.copies = Acceptance.copies(self.copy_largest - 1)
         self.copying = False
 
     def block_size(self, context: int, copy: int = 0) -> int:

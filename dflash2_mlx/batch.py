@@ -282,8 +282,7 @@ class BatchGenerator:
                     s.anchor = int(sample(logprobs, s.params)[0].item())
                 if self.lookup:
                     s.copier = Lookup(s.prompt.tolist() + [s.anchor])
-                    s.copies = adaptive.Acceptance.empty(max(self.policy.largest - 1, 1), adaptive.PRIOR_WEIGHT,
-                                                         adaptive.COPY_PRIOR_RATE)
+                    s.copies = adaptive.Acceptance.copies(max(self.policy.largest - 1, 1))
                 out += self._emit(s, [s.anchor], logprobs, 0)
             self.batch.extend(batch)
             self.active += seqs
@@ -392,11 +391,13 @@ class BatchGenerator:
         """Each sequence's copy for a block of ``b`` (None: it drafts).  A copy is taken where
         the sequence's copies are expected to be accepted further than the batch's drafts
         (a policy without an acceptance estimate, a fixed block size: always)."""
+        if b == 1 or not self.lookup:
+            return [None] * len(self.active)
         out = []
         drafter = getattr(self.policy, "acceptance", None)
         drafted = adaptive.expected_tokens(drafter.rates(), b) if drafter is not None else 0.0
         for s in self.active:
-            copy = s.copier.draft(b - 1) if s.copier is not None and b > 1 else []
+            copy = s.copier.draft(b - 1)
             if copy and adaptive.expected_tokens(s.copies.rates(), b) <= drafted:
                 copy = []
             out.append(copy or None)

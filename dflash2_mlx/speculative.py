@@ -5,11 +5,11 @@ drafter fills a block [anchor, MASK...] in one pass, the drafted tokens are prop
 (argmax / sample / selector walk), the target verifies the whole block in one pass, the
 accepted prefix plus the target's own next token is committed, the target cache is
 rolled back to that point and the draft context gets the committed tokens' features; the
-policy learns what was accepted and how long the cycle took.  A block of 1 is a plain decode step, pipelined as mlx-lm's are; the adaptive policy may have
-it carry a shadow probe (a block-2 draft never verified: ``shadow_chance``).  Where the
-sequence repeats itself, the block may be a copy instead of a draft (``lookup.py``): no
-drafter pass, verified and accepted the same way.  Yields (token, logprobs, from_draft,
-stats) per token.
+policy learns what was accepted and how long the cycle took.  A block of 1 is a plain
+decode step, pipelined as mlx-lm's are; the adaptive policy may have it carry a shadow
+probe (a block-2 draft never verified: ``shadow_chance``).  Where the sequence repeats
+itself, the block may be a copy instead of a draft (``lookup.py``): no drafter pass,
+verified and accepted the same way.  Yields (token, logprobs, from_draft, stats) per token.
 """
 
 import time
