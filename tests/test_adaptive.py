@@ -9,6 +9,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 
 import dflash2_mlx as d
 from dflash2_mlx import adaptive
@@ -495,6 +496,13 @@ def test_history_seeds_the_next_request(pair, tmp_path, monkeypatch):
     target = attach(model, drafter)
     key = adaptive.pair_key(target, drafter, greedy=True)
     assert key != adaptive.pair_key(target, drafter, greedy=False)
+    name, weight = tree_flatten(drafter.parameters())[0]
+    drafter.update(tree_unflatten([(name, weight + 0.01)]))  # other weights: another history
+    try:
+        assert adaptive.pair_key(target, drafter, greedy=True) != key
+    finally:
+        drafter.update(tree_unflatten([(name, weight)]))
+    assert adaptive.pair_key(target, drafter, greedy=True) == key
     seen = Acceptance.empty(7)
     for _ in range(20):
         seen.record(8, 0)
