@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -30,6 +30,20 @@ def read_messages(path: Path) -> list:
     return messages
 
 
+def template_config(text: Optional[str], option: str = "--chat-template-config") -> dict:
+    """The JSON object of chat-template variables given to ``option``; a ValueError says
+    what is wrong with it."""
+    if text is None:
+        return {}
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{option}: invalid JSON ({e.msg}, column {e.colno})")
+    if not isinstance(config, dict):
+        raise ValueError(f"{option}: must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return config
+
+
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
     messages_file: Optional[Path] = typer.Option(
@@ -37,7 +51,7 @@ def generate(
     model: Optional[str] = typer.Option(
         None, "--model", "-m", help="Target: mlx-lm model directory or hub id. Default: the built-in SmolLM2-135M-Instruct."),
     draft: Optional[str] = typer.Option(
-        None, "--draft", "-d", help="DFlash / DFlash 2 drafter directory or hub id. Default: the shipped drafter when --model is not given."),
+        None, "--draft", "--draft-model", "-d", help="DFlash / DFlash 2 drafter directory or hub id. Default: the shipped drafter when --model is not given."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (-1: no limit, stop at end of sequence, as in mlx_lm.generate)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold (1 = off)."),
@@ -55,33 +69,58 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Feed --prompt as raw text instead of a user message in the chat template."),
+    system_prompt: Optional[str] = typer.Option(
+        None, "--system-prompt", help="A system message before the --prompt user turn (chat template)."),
+    prefill_response: Optional[str] = typer.Option(
+        None, "--prefill-response", help="The start of the assistant's reply, which the model continues (chat template)."),
+    chat_template_config: Optional[str] = typer.Option(
+        None, "--chat-template-config", help="Extra chat-template arguments as a JSON object, e.g. '{\"enable_thinking\": false}'."),
+    extra_eos_token: List[str] = typer.Option(
+        [], "--extra-eos-token", help="Another token (its text or id) that ends the reply; repeatable."),
+    prefill_step_size: int = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill pass."),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line after the text."),
 ):
     """Generate text with DFlash speculative decoding, streaming it, then a stats line."""
     import sys
 
     from dflash2_mlx import load, stream_generate
-    from dflash2_mlx.generate import stats_line
+    from dflash2_mlx.generate import chat_ids, stats_line
 
     if (prompt is None) == (messages_file is None):
         raise typer.BadParameter("give exactly one of --prompt or --messages-file")
     if prompt == "-":
         prompt = sys.stdin.read()
+    elif prompt is not None:  # as mlx_lm.generate reads it: a typed \n or \t is the character
+        prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     last = None
     try:
+        template_kwargs = template_config(chat_template_config)
         if messages_file is not None:
             prompt = read_messages(messages_file)
+            if system_prompt is not None:
+                raise ValueError("--system-prompt goes with --prompt; put a system message in --messages-file")
         # No --model: the built-in pair (and the shipped drafter unless --draft is given).
         target, tokenizer, drafter = load(
             model, draft, draft_bits=draft_bits, draft_group_size=draft_group_size,
             draft_activation_bits=draft_activation_bits)
+        for token in extra_eos_token:
+            tokenizer.add_eos_token(token)
         # As mlx_lm.generate does: a text prompt becomes a user turn of the chat template.
-        if isinstance(prompt, str) and not ignore_chat_template and getattr(tokenizer, "chat_template", None):
-            prompt = [{"role": "user", "content": prompt}]
+        templated = not ignore_chat_template and getattr(tokenizer, "chat_template", None)
+        if isinstance(prompt, str) and templated:
+            system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+            prompt = system + [{"role": "user", "content": prompt}]
+        if isinstance(prompt, list):
+            prompt = chat_ids(tokenizer, prompt, prefill_response, template_kwargs=template_kwargs)
+        elif system_prompt is not None or prefill_response is not None or template_kwargs:
+            why = "--ignore-chat-template" if ignore_chat_template else "this tokenizer has no chat template"
+            raise ValueError(f"--system-prompt, --prefill-response and --chat-template-config need the "
+                             f"chat template ({why})")
         for last in stream_generate(
                 target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,
                 top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size,
-                verify_mode=verify_mode, seed=seed, draft_window=draft_window, lookup=copies):
+                verify_mode=verify_mode, seed=seed, draft_window=draft_window, lookup=copies,
+                prefill_step_size=prefill_step_size):
             typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:
         typer.echo(("\n" if last is not None else "") + f"error: {e}", err=True)

@@ -40,12 +40,16 @@ def serve(
     preload: bool = typer.Option(False, "--preload/--lazy", help="Load the --model models at start instead of on the first request."),
     prefix_cache_gb: float = typer.Option(1.0, "--prefix-cache-gb", help="Per model: most GB of prompt caches kept for reuse by later requests that share a prefix (0: off). A model's prefix_cache_gb setting overrides it."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, help="Require Authorization: Bearer KEY on every route but /health (also from $DFLASH2_MLX_API_KEY)."),
+    chat_template_args: Optional[str] = typer.Option(
+        None, "--chat-template-args", help="Chat-template variables for every chat request as a JSON object, e.g. '{\"enable_thinking\": false}' (a request's chat_template_kwargs override them)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ):
     """Serve models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     from dflash2_mlx.backend.pool import EnginePool
     from dflash2_mlx.backend.server import serve as run
     from dflash2_mlx.backend.settings import SettingsError, SettingsStore
+
+    from .generate import template_config
 
     models = {}
     for spec in model:
@@ -64,11 +68,16 @@ def serve(
         raise typer.BadParameter("--prefix-cache-gb must be >= 0")
     if max_batch < 1:
         raise typer.BadParameter("--max-batch must be >= 1")
+    try:
+        template_args = template_config(chat_template_args, "--chat-template-args")
+    except ValueError as e:
+        raise typer.BadParameter(str(e).removeprefix("--chat-template-args: "), param_hint="--chat-template-args")
     overrides = {m: {"dflash_enabled": True, "dflash_draft_model": draft} for m in models} if draft else {}
     pool = EnginePool(SettingsStore(settings), model_dir=model_dir, models=models, overrides=overrides,
                       max_models=max(max_models, 1), memory_budget_gb=memory_budget,
                       max_queue=queue_size, default_max_tokens=max_tokens,
-                      prefix_cache_gb=prefix_cache_gb, max_batch=max_batch)
+                      prefix_cache_gb=prefix_cache_gb, max_batch=max_batch,
+                      chat_template_args=template_args)
     try:  # a settings problem is one line now, not a traceback from the first load
         pool.store.read()
         for model_id in models if preload else ():

@@ -76,7 +76,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         ids = tokenizer.encode(prompt, add_special_tokens=add_special)
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+        ids = chat_ids(tokenizer, prompt)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     else:
@@ -84,6 +84,41 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     if len(ids) == 0:
         raise ValueError("prompt is empty: give at least one token")
     return mx.array(ids, dtype=mx.uint32)
+
+
+# apply_chat_template's own arguments: not variables a template may be given
+TEMPLATE_RESERVED = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                               "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+                               "truncation", "max_length", "return_tensors", "return_dict",
+                               "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(template_kwargs: dict):
+    """A ValueError when chat-template variables would set apply_chat_template's own arguments."""
+    clash = sorted(TEMPLATE_RESERVED.intersection(template_kwargs))
+    if clash:
+        raise ValueError(f"chat template variables may not set {', '.join(clash)} "
+                         "(arguments of apply_chat_template itself)")
+
+
+def chat_ids(tokenizer, messages, prefill: Optional[str] = None, tools: Optional[list] = None,
+             template_kwargs: Optional[dict] = None) -> List[int]:
+    """Token ids of chat messages rendered with the chat template, ready for the assistant's
+    reply, or (``prefill``) continuing an assistant reply that starts with it, as
+    mlx_lm.generate's --prefill-response does.  ``template_kwargs``: variables for the
+    template (e.g. ``{"enable_thinking": False}``)."""
+    template_kwargs = dict(template_kwargs or {})
+    check_template_kwargs(template_kwargs)
+    messages = list(messages)
+    if prefill is not None:
+        messages.append({"role": "assistant", "content": prefill})
+    if tools:
+        template_kwargs["tools"] = tools
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=prefill is None,
+                                        continue_final_message=prefill is not None, **template_kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return an encoding
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def check_block_size(drafter: Drafter, block_size: Union[int, str, None]) -> Union[int, str]:

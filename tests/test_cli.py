@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -61,14 +62,56 @@ def test_generate_bad_options(pair, args, message):
 
 
 def test_help_lists_every_option():
-    r = run("generate", "--help")
+    r = subprocess.run(["dflash2-mlx", "generate", "--help"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "200"})  # option names unabridged
     for opt in ["--model", "--draft", "--prompt", "--messages-file", "--max-tokens", "--temp",
                 "--top-p", "--top-k", "--min-p", "--block-size", "--draft-bits", "--seed",
-                "--verbose", "--copies", "--no-copies"]:
+                "--verbose", "--copies", "--no-copies", "--system-prompt", "--prefill-response",
+                "--chat-template-config", "--extra-eos-token", "--prefill-step-size", "--draft-model"]:
         assert opt in r.stdout
     top = run("--help").stdout
     for cmd in ["generate", "doctor", "train", "eval", "serve", "models"]:
         assert cmd in top
+
+
+def mlx_lm_text(*args):
+    """The reply text of `python -m mlx_lm generate` (between its ========== lines)."""
+    r = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", *args], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split("==========\n")[1].removesuffix("\n")
+
+
+def test_chat_options_as_mlx_lm_generate_has_them(pair, tmp_path):
+    # A template that reads an extra argument, as Qwen3's reads enable_thinking.
+    shutil.copytree(pair / "t", tmp_path / "t")
+    config = tmp_path / "t" / "tokenizer_config.json"
+    cfg = json.loads(config.read_text())
+    cfg["chat_template"] = "{% if shout %}dddd{% endif %}" + cfg["chat_template"]
+    config.write_text(json.dumps(cfg))
+    for prompt, opts in (("abcab dcba", ["--system-prompt", "dcb", "--prefill-response", "ab"]),
+                         ("abcab dcba", ["--chat-template-config", '{"shout": true}', "--extra-eos-token", "c"]),
+                         ("ab\\nba", [])):  # a typed \n is a newline, as mlx_lm reads it
+        args = ["--model", str(tmp_path / "t"), "--prompt", prompt, "--max-tokens", "24", *opts]
+        ours = run("generate", "--draft-model", str(pair / "d"), *args)
+        assert ours.returncode == 0, ours.stderr
+        assert ours.stdout == mlx_lm_text(*args) + "\n", opts
+    stops = run("generate", "--model", str(tmp_path / "t"), "--draft", str(pair / "d"), "--prompt",
+                "abcab dcba", "--max-tokens", "24", "--extra-eos-token", "c")
+    assert "c" not in stops.stdout and "generation 24 tokens" not in stops.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--chat-template-config", "[1]"], "--chat-template-config: must be a JSON object"),
+    (["--chat-template-config", "{'a': 1}"], "--chat-template-config: invalid JSON (Expecting property"),
+    (["--system-prompt", "x", "--ignore-chat-template"],
+     "--system-prompt, --prefill-response and --chat-template-config need the chat template (--ignore-chat-template)"),
+    (["--extra-eos-token", "zz"], "'zz' is not a token for this tokenizer"),
+])
+def test_chat_option_problems_are_one_line(pair, args, message):
+    r = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--prompt", "ab", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert errors(r.stderr) == [f"error: {message}"] or message in errors(r.stderr)[0], r.stderr
 
 
 def errors(stderr):

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx.adaptive import COPY_LARGEST
-from dflash2_mlx.backend.engine import Engine, EngineError, PromptTooLong, QueueFull
+from dflash2_mlx.backend.engine import Engine, EngineError, InvalidOption, PromptTooLong, QueueFull
 from dflash2_mlx.backend.pool import EnginePool, PoolBusy, UnknownModel
 from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
 from dflash2_mlx.backend.stops import StopMatcher
@@ -17,7 +17,7 @@ NO_EOS = {1: -100.0}  # the tiny tokenizer's <eos>: keeps long generations going
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "find a word",
                                             "parameters": {"type": "object", "properties": {}}}}]
 TOOLS_TEMPLATE = (
-    "{% if tools %}{% for t in tools %}{{ t['function']['name'] }} {% endfor %}.{% endif %}"
+    "{% if shout %}shout .{% endif %}{% if tools %}{% for t in tools %}{{ t['function']['name'] }} {% endfor %}.{% endif %}"
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}"
     "{% if add_generation_prompt %}a:{% endif %}"
 )
@@ -210,6 +210,23 @@ def test_tools_reach_the_chat_template(models):
         assert with_tools == plain + len("lookup .")
         reply = run(e.chat(messages, TOOLS, max_tokens=4))
         assert reply.prompt_tokens == with_tools and reply.completion_tokens <= 4
+    finally:
+        run(e.stop())
+
+
+def test_chat_template_variables_reach_the_template(models):
+    root, _, _ = models
+    e = Engine(root / "models" / "other", chat_template_args={"shout": True})  # serve --chat-template-args
+    run(e.start())
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        quiet = run(e.count_chat_tokens(messages, chat_template_kwargs={"shout": False}))
+        assert run(e.count_chat_tokens(messages)) == quiet + len("shout .")
+        reply = run(e.chat(messages, max_tokens=4, chat_template_kwargs={"shout": False}))
+        assert reply.prompt_tokens == quiet  # a request's variables override the engine's
+        with pytest.raises(InvalidOption, match="may not set add_generation_prompt, tokenize") as bad:
+            e.stream_chat(messages, chat_template_kwargs={"tokenize": False, "add_generation_prompt": True})
+        assert bad.value.param == "chat_template_kwargs"
     finally:
         run(e.stop())
 

@@ -133,6 +133,13 @@ def test_chat_streaming_equals_generate(client, reference):
     assert 0 <= dflash["shadows"] <= dflash["block_sizes"].get("1", 0)
 
 
+def test_chat_template_kwargs_are_taken(client, reference):
+    # The tiny template reads no variables: the reply is the one without them.
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == reference(CHAT, max_tokens=12)
+
+
 def test_completions_equal_generate(client, reference):
     r = client.completions.create(model="tiny", prompt="hello world", max_tokens=20)
     assert r.choices[0].text == reference("hello world", max_tokens=20)
@@ -188,6 +195,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": [3, 4, 100000]}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "chat_template_kwargs": [1]}, 400,
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "chat_template_kwargs": {"tokenize": False}},
+     400, "chat_template_kwargs"),
 ]
 
 
@@ -407,6 +418,15 @@ def test_serve_with_a_corrupted_settings_file_is_one_line(server, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len([x for x in r.stderr.splitlines() if x.startswith("error:")]) == 1 and "not valid JSON" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [("[1]", "must be a JSON object"), ("{x}", "invalid JSON")])
+def test_serve_with_bad_chat_template_args_says_why(server, args, message):
+    r = subprocess.run(serve_command() + ["serve", "--model-dir", str(server["root"] / "models"),
+                                          "--chat-template-args", args, "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--chat-template-args" in r.stderr and message in r.stderr
 
 
 def test_api_key_locks_every_route_but_health(server, tmp_path):

@@ -269,8 +269,10 @@ class Engine:
     def __init__(self, model_path, settings: Optional[ModelSettings] = None, *,
                  draft: Optional[str] = None, model_id: Optional[str] = None,
                  max_queue: int = 8, default_max_tokens: int = 512, worker=None,
-                 prefix_cache_gb: float = 1.0, max_batch: int = 8):
+                 prefix_cache_gb: float = 1.0, max_batch: int = 8,
+                 chat_template_args: Optional[dict] = None):
         self.model_path = str(model_path)
+        self.chat_template_args = dict(chat_template_args or {})  # template variables by default
         self.settings = settings or ModelSettings()
         if draft is not None:
             self.settings.dflash_enabled, self.settings.dflash_draft_model = True, draft
@@ -375,17 +377,24 @@ class Engine:
             return list(prompt)
         raise TypeError("prompt must be text or a list of token ids")
 
-    def encode_chat(self, messages: List[dict], tools: Optional[List[dict]] = None) -> List[int]:
-        """Token ids of chat messages rendered with the chat template (tools included)."""
+    def encode_chat(self, messages: List[dict], tools: Optional[List[dict]] = None,
+                    chat_template_kwargs: Optional[dict] = None) -> List[int]:
+        """Token ids of chat messages rendered with the chat template (tools included);
+        ``chat_template_kwargs``: template variables over the engine's defaults (e.g.
+        ``{"enable_thinking": False}``)."""
         self._check_running()
-        kwargs = {"tools": tools} if tools else {}
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **kwargs)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        from ..generate import chat_ids, check_template_kwargs
 
-    async def count_chat_tokens(self, messages: List[dict], tools: Optional[List[dict]] = None) -> int:
-        return len(self.encode_chat(messages, tools))
+        variables = {**self.chat_template_args, **(chat_template_kwargs or {})}
+        try:
+            check_template_kwargs(variables)
+        except ValueError as e:
+            raise InvalidOption("chat_template_kwargs", str(e)) from None
+        return chat_ids(self.tokenizer, messages, tools=tools, template_kwargs=variables)
+
+    async def count_chat_tokens(self, messages: List[dict], tools: Optional[List[dict]] = None,
+                                chat_template_kwargs: Optional[dict] = None) -> int:
+        return len(self.encode_chat(messages, tools, chat_template_kwargs))
 
     async def generate(self, prompt, **params) -> Completion:
         return await _collect(self.stream_generate(prompt, **params))
@@ -400,10 +409,11 @@ class Engine:
         return self._stream(self.encode(prompt), params, request_id)
 
     def stream_chat(self, messages: List[dict], tools: Optional[List[dict]] = None, *,
-                    request_id: Optional[str] = None, **params) -> AsyncIterator[Chunk]:
+                    request_id: Optional[str] = None, chat_template_kwargs: Optional[dict] = None,
+                    **params) -> AsyncIterator[Chunk]:
         """Stream the assistant's reply; with ``tools`` (OpenAI function specs) they go to
         the chat template, and tool calls come back in ``Chunk.tool_calls``."""
-        return self._stream(self.encode_chat(messages, tools), params, request_id, tools)
+        return self._stream(self.encode_chat(messages, tools, chat_template_kwargs), params, request_id, tools)
 
     def _check_running(self):
         if not self.running:

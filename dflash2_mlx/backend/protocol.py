@@ -118,6 +118,7 @@ class ChatRequest(_Request):
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     logprobs: Optional[bool] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # template variables, as mlx_lm.server and vLLM take them
 
     @field_validator("logprobs")
     @classmethod

@@ -105,10 +105,13 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
         messages = body.template_messages()
         with _mapped_errors():
             if body.stream:
-                chunks = engine.stream_chat(messages, body.tools, request_id=rid, **body.options())
+                chunks = engine.stream_chat(messages, body.tools, request_id=rid,
+                                            chat_template_kwargs=body.chat_template_kwargs, **body.options())
                 return _sse(_chat_events(rid, body, chunks), engine, rid)
             completion = await _until_disconnect(
-                request, engine.chat(messages, body.tools, request_id=rid, **body.options()), engine, rid)
+                request, engine.chat(messages, body.tools, request_id=rid,
+                                     chat_template_kwargs=body.chat_template_kwargs, **body.options()),
+                engine, rid)
         return chat_response(rid, body.model, completion)
 
     @app.post("/v1/completions")
