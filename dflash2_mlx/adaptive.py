@@ -225,22 +225,26 @@ class Timing:
     predicted: Dict[str, float] = field(default_factory=dict)
     seen: set = field(default_factory=set)  # block sizes this process has run (not saved)
 
-    def record(self, kind: str, b: int, seconds: float, predicted: float):
+    def record(self, kind: str, b: int, seconds: float, predicted: float, group: Optional[str] = None):
         if f"{kind}{b}" not in self.seen:  # a shape's first pass in a process allocates its
             self.seen.add(f"{kind}{b}")  # buffers: not what the next ones will cost
             return
         seconds = min(seconds, TIMING_CLIP * predicted)
-        for key in (kind, f"{kind}{b}"):
-            self.observed[key] = self.observed.get(key, 0.0) * TIMING_DECAY + seconds
-            self.predicted[key] = self.predicted.get(key, 0.0) * TIMING_DECAY + predicted
+        for key in (group, kind, f"{kind}{b}"):
+            if key is not None:
+                self.observed[key] = self.observed.get(key, 0.0) * TIMING_DECAY + seconds
+                self.predicted[key] = self.predicted.get(key, 0.0) * TIMING_DECAY + predicted
 
-    def ratio(self, kind: str, b: int, predicted: float) -> float:
+    def ratio(self, kind: str, b: int, predicted: float, group: Optional[str] = None) -> float:
         """Observed over predicted seconds for a cycle of this kind and block size, shrunk
-        towards the kind's ratio, which is shrunk towards 1 (the calibration)."""
+        towards the kind's ratio, which is shrunk towards the ``group``'s (every kind's,
+        a batch's work per sequence that no calibration saw) or 1 (the calibration)."""
         w = TIMING_PRIOR * predicted
-        r = (self.observed.get(kind, 0.0) + w) / (self.predicted.get(kind, 0.0) + w)
-        key = f"{kind}{b}"
-        return (self.observed.get(key, 0.0) + w * r) / (self.predicted.get(key, 0.0) + w)
+        r = 1.0
+        for key in (group, kind, f"{kind}{b}"):
+            if key is not None:
+                r = (self.observed.get(key, 0.0) + w * r) / (self.predicted.get(key, 0.0) + w)
+        return r
 
 
 def kind(b: int, copy: bool = False) -> str:

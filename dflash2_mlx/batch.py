@@ -143,14 +143,37 @@ class BatchCosts:
     ``streams`` sequences sees it, for the adaptive policy: a cycle with block b verifies
     S * b rows and drafts S blocks, so its base cost is the model's at S * b rows (the lines
     extended past the largest calibrated block along their last slope), and each sequence's
-    own context adds its attention cost.  One sequence: the model itself."""
+    own context adds its attention cost.  One sequence: the model itself.
 
-    def __init__(self, costs):
-        self.costs, self.streams = costs, 1
+    With ``timing`` (``adaptive.Timing``) each cycle is priced at what the batch's cycles of
+    its kind, size and stream count really took (``observe``): the extension past the
+    calibrated rows, and a batch's per-sequence work, are guesses (8 streams here: plain
+    steps 92 tok/s, "auto" priced from the lines alone 78)."""
+
+    def __init__(self, costs, timing=None):
+        self.costs, self.streams, self.timing = costs, 1, timing
 
     def cycle(self, b: int, context: int) -> float:
+        raw = self._raw(b, context, True)
+        if self.timing is None:
+            return raw
+        return raw * self.timing.ratio(self.kind(b, True), b, raw, f"batch{self.streams}")
+
+    def observe(self, b: int, context: int, seconds: float, drafted: bool = True):
+        """A cycle of block ``b`` took ``seconds`` (``drafted`` False: every sequence verified
+        a copy, no drafter pass).  What one kind shows moves the others' prices too (at first
+        a batch times only the kind it runs: its per-sequence work, priced on one kind alone,
+        sent 4 streams here to plain steps, then back)."""
+        if self.timing is not None:
+            self.timing.record(self.kind(b, drafted), b, seconds, self._raw(b, context, drafted),
+                               f"batch{self.streams}")
+
+    def kind(self, b: int, drafted: bool) -> str:
+        return f"batch{self.streams}-{adaptive.kind(b, copy=not drafted)}"
+
+    def _raw(self, b: int, context: int, drafted: bool) -> float:
         seconds = self._part(self.costs.target, b, context)
-        if b > 1:
+        if b > 1 and drafted:
             seconds += self._part(self.costs.drafter, b, context)
         return seconds
 
@@ -166,6 +189,18 @@ def _rows_base(points: dict, rows: int) -> float:
     lo, hi = keys[-2], keys[-1]
     per_row = max(0.0, (points[hi][0] - points[lo][0]) / (hi - lo))
     return points[hi][0] + per_row * (rows - hi)
+
+
+def batch_policy(target, drafter, largest: Optional[int] = None) -> adaptive.Adaptive:
+    """The adaptive policy of a batch: the pair's history, its ``BatchCosts`` measured or
+    cached, with this process's timing of them (shared with single streams, and saved with
+    theirs when the batch closes)."""
+    key = adaptive.cost_key(target, drafter)
+    costs = adaptive.cost_model(target, drafter, key)
+    timed = BatchCosts(costs, adaptive.timing_for(key, costs))
+    policy = adaptive.policy(target, drafter, adaptive.AUTO, costs=timed, largest=largest)
+    policy.timing_key = key
+    return policy
 
 
 class BatchGenerator:
@@ -193,10 +228,8 @@ class BatchGenerator:
             from .generate import check_block_size
 
             block_size = check_block_size(drafter, block_size)
-            costs = None
-            if block_size == adaptive.AUTO:
-                costs = BatchCosts(adaptive.cost_model(self.target, drafter))
-            self.policy = adaptive.policy(self.target, drafter, block_size, costs=costs)
+            self.policy = (batch_policy(self.target, drafter) if block_size == adaptive.AUTO
+                           else adaptive.policy(self.target, drafter, block_size))
         self.draft_window = draft_window
         self.prefill_step_size = prefill_step_size
         self.batch_drafter = batch_drafter
@@ -206,6 +239,7 @@ class BatchGenerator:
         self.waiting: List[_Sequence] = []
         self.active: List[_Sequence] = []  # in the batch's row order
         self._next_uid = 0
+        self._drafted = ()  # the sequences of the last cycle, if it drafted (``_time``)
 
     def __len__(self):
         return len(self.waiting) + len(self.active)
@@ -336,7 +370,9 @@ class BatchGenerator:
         costs = getattr(self.policy, "costs", None)
         if isinstance(costs, BatchCosts):
             costs.streams = len(seqs)
-        b = self.policy.block_size(max(s.history.size for s in seqs))
+        context = max(s.history.size for s in seqs)
+        b = self.policy.block_size(context)
+        tic = time.perf_counter()
         anchors = mx.array([s.anchor for s in seqs], dtype=mx.int32)[:, None]
         drafts, qs = [], []
         copies = self._copies(b)
@@ -375,6 +411,7 @@ class BatchGenerator:
         self.batch.rows.commit(kept)
         self.batch.compact()
         self._record(b, accepted, copies)
+        self._time(costs, b, context, not all(copies), seqs, tic)
         out = []
         for i, (s, ids) in enumerate(zip(seqs, verify.tolist())):
             s.context.add(features[i : i + 1, : kept[i]])
@@ -402,6 +439,16 @@ class BatchGenerator:
                 copy = []
             out.append(copy or None)
         return out
+
+    def _time(self, costs, b: int, context: int, drafted: bool, seqs, tic: float):
+        """Tell ``BatchCosts`` what the cycle took: a plain step or a copy always; a drafted
+        cycle when the cycle before it drafted for these sequences (after plain steps, a
+        copy or a join the drafter first reads the rows not yet fed: not this draft's work)."""
+        uids = {s.uid for s in seqs}
+        drafted = b > 1 and drafted
+        if isinstance(costs, BatchCosts) and (not drafted or uids <= set(self._drafted)):
+            costs.observe(b, context, time.perf_counter() - tic, drafted)
+        self._drafted = uids if drafted else ()
 
     def _draft(self, blocks: mx.array) -> mx.array:
         contexts = [s.context.fed() for s in self.active]

@@ -45,8 +45,8 @@ def block_policy(target, drafter, block):
 
 
 def run_batch(model, drafter, ids, max_tokens, block, stop, batch_drafter=True, lookup=True):
-    target = attach(model, drafter)
-    gen = BatchGenerator(model, drafter, block_size=block_policy(target, drafter, block),
+    # "auto": the batch's own policy (priced for the batch's size), as the server runs it
+    gen = BatchGenerator(model, drafter, block_size=block if block == "auto" else int(block),
                          batch_drafter=batch_drafter, lookup=lookup)
     uids = [gen.insert(p, max_tokens=max_tokens, stop_tokens=stop) for p in ids]
     tokens = {u: [] for u in uids}

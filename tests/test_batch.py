@@ -364,6 +364,65 @@ def test_batch_costs_and_prefill_groups():
     assert prefill_groups([7]) == [[0]] and prefill_groups([]) == []
 
 
+def test_batch_costs_priced_by_their_timing():
+    """Cycles priced at what the batch's cycles really took, per stream count: drafted
+    cycles at 2 streams that took 3x their price send 2 streams to plain steps, and leave
+    one stream's choice (and an untimed model's) as it was."""
+    from dflash2_mlx.adaptive import Timing
+
+    cpu = CostModel({1: (1.0, 0.001), 8: (1.7, 0.002)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
+    timed, untimed = BatchCosts(cpu, Timing()), BatchCosts(cpu)
+    rates = [0.6] * 7
+    for costs in (timed, untimed):
+        costs.streams = 2
+        assert best_block(rates, costs, 0, 8) > 1
+    for _ in range(12):  # the first is a warm-up pass: left out
+        timed.observe(4, 0, 3 * untimed.cycle(4, 0))
+        timed.observe(1, 0, untimed.cycle(1, 0))
+    assert best_block(rates, timed, 0, 8) == 1 and best_block(rates, untimed, 0, 8) > 1
+    assert timed.cycle(1, 0) == pytest.approx(untimed.cycle(1, 0), rel=0.25)  # near what plain steps took
+    timed.streams = 1
+    assert best_block(rates, timed, 0, 8) > 1
+    assert set(timed.timing.observed) == {"batch2", "batch2-draft", "batch2-draft4", "batch2-plain",
+                                          "batch2-plain1"}
+    slow = BatchCosts(cpu, Timing())  # a batch's own work: seen in drafted cycles, priced in plain steps too
+    slow.streams = untimed.streams = 4
+    for _ in range(12):
+        slow.observe(4, 0, 2 * untimed.cycle(4, 0))  # twice their price
+    assert slow.cycle(1, 0) > 1.5 * untimed.cycle(1, 0)
+
+
+class Observed(BatchCosts):
+    def __init__(self, costs):
+        super().__init__(costs)
+        self.seen = []
+
+    def observe(self, b, context, seconds, drafted=True):
+        self.seen.append((b, drafted, seconds))
+
+
+def test_the_batch_times_plain_steps_and_drafted_cycles_after_drafted_ones(pairs):
+    """A drafted cycle is timed when the cycle before it drafted for the same sequences
+    (after a plain step, or a sequence's joining, the drafter first reads rows not fed)."""
+    model, tok, drafter = pairs["qwen3"]
+    script = [4, 4, 1, 3, 3, 3, 1, 1, 2, 5]
+    policy = Scripted(script)
+    policy.costs = Observed(CostModel({1: (1.0, 0.0)}, {2: (0.1, 0.0)}))
+    gen = BatchGenerator(model, drafter, block_size=policy, lookup=False)
+    gen.insert(tok.encode("abcab dcba"), max_tokens=40)
+
+    def on_step(gen, step):
+        if step == 4:
+            gen.insert(tok.encode("dd cb"), max_tokens=30)  # joins before the 5th cycle (block 3)
+
+    run(gen, on_step)
+    chosen = [script[i % len(script)] for i in range(policy.i)]
+    timed = [b for i, b in enumerate(chosen)
+             if b == 1 or (i and chosen[i - 1] > 1 and i != 4)]
+    assert [b for b, _, _ in policy.costs.seen] == timed
+    assert all(drafted == (b > 1) and seconds > 0 for b, drafted, seconds in policy.costs.seen)
+
+
 def test_adaptive_policy_sees_the_batch(pairs):
     """Block size "auto" over a batch: the policy's costs follow the batch's size as
     sequences leave, it drafts (drafts are nearly free here), and every sequence still

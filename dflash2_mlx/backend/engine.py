@@ -537,14 +537,10 @@ class Engine:
         if mode == "dflash" and s.dflash_block_size is not None:
             return s.dflash_block_size
         if mode == "adaptive" and s.dflash_block_size is not None:
-            from .. import adaptive
-            from ..batch import BatchCosts
+            from ..batch import batch_policy
             from ..target import attach
 
-            target = attach(self._model, self._drafter)
-            costs = BatchCosts(adaptive.cost_model(target, self._drafter))
-            return adaptive.policy(target, self._drafter, adaptive.AUTO, costs=costs,
-                                   largest=s.dflash_block_size)
+            return batch_policy(attach(self._model, self._drafter), self._drafter, s.dflash_block_size)
         return "auto"
 
     def _batched(self, request: _Request) -> bool:
