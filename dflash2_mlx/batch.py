@@ -441,9 +441,10 @@ class BatchGenerator:
         return out
 
     def _time(self, costs, b: int, context: int, drafted: bool, seqs, tic: float):
-        """Tell ``BatchCosts`` what the cycle took: a plain step or a copy always; a drafted
-        cycle when the cycle before it drafted for these sequences (after plain steps, a
-        copy or a join the drafter first reads the rows not yet fed: not this draft's work)."""
+        """Tell ``BatchCosts`` what the cycle took: a plain step or a cycle of copies only
+        always; a drafted cycle when the drafter also ran in the cycle before for these
+        sequences (it runs for every sequence, copying ones too; after plain steps, copies
+        only or a join it first reads the rows not yet fed: not this draft's work)."""
         uids = {s.uid for s in seqs}
         drafted = b > 1 and drafted
         if isinstance(costs, BatchCosts) and (not drafted or uids <= set(self._drafted)):
