@@ -423,6 +423,31 @@ def test_the_batch_times_plain_steps_and_drafted_cycles_after_drafted_ones(pairs
     assert all(drafted == (b > 1) and seconds > 0 for b, drafted, seconds in policy.costs.seen)
 
 
+def test_batch_timing_is_kept_for_the_next_process(pairs, tmp_path, monkeypatch):
+    """"auto" over a batch times its cycles into the process's timing of the pair (beside
+    the single streams'), and ``close`` saves it for the next process."""
+    from dflash2_mlx import adaptive
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    model, tok, drafter = pairs["qwen3"]
+    target = attach(model, drafter)
+    key = adaptive.cost_key(target, drafter)
+    adaptive._costs[key] = measured = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
+    try:
+        gen = BatchGenerator(model, drafter, block_size="auto")
+        for text in ("abcab dcba", "dd cb"):
+            gen.insert(tok.encode(text), max_tokens=24)
+        run(gen)
+        gen.close()
+        observed = dict(adaptive.timing_for(key, measured).observed)
+        assert any(k.startswith("batch2-") for k in observed)
+        adaptive._timings.clear()  # a new process: from disk
+        assert adaptive.timing_for(key, measured).observed == pytest.approx(observed)
+    finally:
+        adaptive._costs.clear()
+        adaptive._timings.clear()
+
+
 def test_adaptive_policy_sees_the_batch(pairs):
     """Block size "auto" over a batch: the policy's costs follow the batch's size as
     sequences leave, it drafts (drafts are nearly free here), and every sequence still
