@@ -93,12 +93,8 @@ TEMPLATE_RESERVED = frozenset({"conversation", "tools", "documents", "chat_templ
                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-def check_template_kwargs(template_kwargs: dict):
-    """A ValueError when chat-template variables would set apply_chat_template's own arguments."""
-    clash = sorted(TEMPLATE_RESERVED.intersection(template_kwargs))
-    if clash:
-        raise ValueError(f"chat template variables may not set {', '.join(clash)} "
-                         "(arguments of apply_chat_template itself)")
+class TemplateVariableError(ValueError):
+    """Chat-template variables that would set apply_chat_template's own arguments."""
 
 
 def chat_ids(tokenizer, messages, prefill: Optional[str] = None, tools: Optional[list] = None,
@@ -108,7 +104,10 @@ def chat_ids(tokenizer, messages, prefill: Optional[str] = None, tools: Optional
     mlx_lm.generate's --prefill-response does.  ``template_kwargs``: variables for the
     template (e.g. ``{"enable_thinking": False}``)."""
     template_kwargs = dict(template_kwargs or {})
-    check_template_kwargs(template_kwargs)
+    clash = sorted(TEMPLATE_RESERVED.intersection(template_kwargs))
+    if clash:
+        raise TemplateVariableError(f"chat template variables may not set {', '.join(clash)} "
+                                    "(arguments of apply_chat_template itself)")
     messages = list(messages)
     if prefill is not None:
         messages.append({"role": "assistant", "content": prefill})

@@ -383,14 +383,13 @@ class Engine:
         ``chat_template_kwargs``: template variables over the engine's defaults (e.g.
         ``{"enable_thinking": False}``)."""
         self._check_running()
-        from ..generate import chat_ids, check_template_kwargs
+        from ..generate import TemplateVariableError, chat_ids
 
         variables = {**self.chat_template_args, **(chat_template_kwargs or {})}
         try:
-            check_template_kwargs(variables)
-        except ValueError as e:
+            return chat_ids(self.tokenizer, messages, tools=tools, template_kwargs=variables)
+        except TemplateVariableError as e:
             raise InvalidOption("chat_template_kwargs", str(e)) from None
-        return chat_ids(self.tokenizer, messages, tools=tools, template_kwargs=variables)
 
     async def count_chat_tokens(self, messages: List[dict], tools: Optional[List[dict]] = None,
                                 chat_template_kwargs: Optional[dict] = None) -> int:
