@@ -28,7 +28,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -482,10 +482,12 @@ class Adaptive:
 
     def __init__(self, costs: CostModel, largest: int, acceptance: Acceptance, seeded: bool = False,
                  shadow_budget: float = SHADOW_BUDGET, copy_largest: Optional[int] = None,
-                 timing: Optional[Timing] = None):
-        # With ``timing``, cycles are priced at what they really took (``timed``); without,
-        # at the cost model's figures (given ones: tests, simulations, the batch).
-        self.costs = Corrected(costs, timing) if timing is not None else costs
+                 timing: Optional[Timing] = None, priced: Optional[Callable] = None):
+        # With ``timing``, cycles are priced at what they really took (``timed``) by
+        # ``priced(costs, timing)`` (default ``Corrected``; a batch: ``BatchCosts``); without,
+        # at the cost model's figures (given ones: tests, simulations).
+        priced = priced or (Corrected if timing is not None else None)
+        self.costs = priced(costs, timing) if priced else costs
         self.largest, self.acceptance = largest, acceptance
         self.copy_largest = copy_largest or largest  # the widest block a copy may verify
         self.fallback = False
@@ -592,11 +594,13 @@ def save_history(key: str, acceptance: Acceptance):
 
 
 def policy(target, drafter, block_size=AUTO, greedy: bool = True,
-           costs: Optional[CostModel] = None, history: bool = True, largest: Optional[int] = None):
+           costs: Optional[CostModel] = None, history: bool = True, largest: Optional[int] = None,
+           priced: Optional[Callable] = None):
     """The block-size policy of one request: ``Fixed`` for a number, ``Adaptive`` for
     "auto" choosing up to ``largest`` (default: the drafter's trained block size).  Unless
     ``costs`` are given they are measured or cached, and corrected by the cycles this pair
-    really took on this machine (``Timing``); with ``history`` False a request starts from
+    really took on this machine (``Timing``), priced by ``priced(costs, timing)`` (default
+    ``Corrected``; a batch's: ``batch.BatchCosts``); with ``history`` False a request starts from
     nothing earlier requests saw (neither the pair's acceptance history nor its timing: a
     seeded sampled request's text depends on its block sizes, which then depend only on the
     cost file and the seed)."""
@@ -610,20 +614,21 @@ def policy(target, drafter, block_size=AUTO, greedy: bool = True,
     costs = costs or cost_model(target, drafter, ckey)
     chosen = starting(costs, largest or positions + 1, positions, hist, greedy,
                       copy_largest=largest or max(positions + 1, COPY_LARGEST),
-                      timing=timing_for(timing_key, costs) if timing_key else None)
+                      timing=timing_for(timing_key, costs) if timing_key else None, priced=priced)
     chosen.history_key, chosen.timing_key = key, timing_key
     return chosen
 
 
 def starting(costs: CostModel, largest: int, positions: int, hist: Optional[Acceptance],
              greedy: bool = True, shadow_budget: float = SHADOW_BUDGET,
-             copy_largest: Optional[int] = None, timing: Optional[Timing] = None) -> Adaptive:
+             copy_largest: Optional[int] = None, timing: Optional[Timing] = None,
+             priced: Optional[Callable] = None) -> Adaptive:
     """A request's ``Adaptive`` policy, seeded from the pair's history ``hist`` (worth
     SEED_WEIGHT cycles) when there is one, else from the prior."""
     start = hist.scaled(SEED_WEIGHT) if hist else Acceptance.empty(
         positions, PRIOR_WEIGHT if greedy else SAMPLED_PRIOR_WEIGHT)
     return Adaptive(costs, largest, start, seeded=hist is not None, shadow_budget=shadow_budget,
-                    copy_largest=copy_largest, timing=timing)
+                    copy_largest=copy_largest, timing=timing, priced=priced)
 
 
 _timings: Dict[str, Tuple[float, Timing]] = {}

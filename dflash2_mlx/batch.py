@@ -195,12 +195,7 @@ def batch_policy(target, drafter, largest: Optional[int] = None) -> adaptive.Ada
     """The adaptive policy of a batch: the pair's history, its ``BatchCosts`` measured or
     cached, with this process's timing of them (shared with single streams, and saved with
     theirs when the batch closes)."""
-    key = adaptive.cost_key(target, drafter)
-    costs = adaptive.cost_model(target, drafter, key)
-    timed = BatchCosts(costs, adaptive.timing_for(key, costs))
-    policy = adaptive.policy(target, drafter, adaptive.AUTO, costs=timed, largest=largest)
-    policy.timing_key = key
-    return policy
+    return adaptive.policy(target, drafter, adaptive.AUTO, largest=largest, priced=BatchCosts)
 
 
 class BatchGenerator:
