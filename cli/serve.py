@@ -41,7 +41,7 @@ def serve(
     prefix_cache_gb: float = typer.Option(1.0, "--prefix-cache-gb", help="Per model: most GB of prompt caches kept for reuse by later requests that share a prefix (0: off). A model's prefix_cache_gb setting overrides it."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, help="Require Authorization: Bearer KEY on every route but /health (also from $DFLASH2_MLX_API_KEY)."),
     chat_template_args: Optional[str] = typer.Option(
-        None, "--chat-template-args", help="Chat-template variables for every chat request as a JSON object, e.g. '{\"enable_thinking\": false}' (a request's chat_template_kwargs override them)."),
+        None, "--chat-template-args", help="Chat-template variables for every chat request as a JSON object, e.g. '{\"enable_thinking\": false}' (a model's settings and a request's chat_template_kwargs override them)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ):
     """Serve models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""

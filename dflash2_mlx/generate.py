@@ -97,6 +97,14 @@ class TemplateVariableError(ValueError):
     """Chat-template variables that would set apply_chat_template's own arguments."""
 
 
+def check_template_variables(variables: dict):
+    """Raise TemplateVariableError if ``variables`` would set apply_chat_template's own arguments."""
+    clash = sorted(TEMPLATE_RESERVED.intersection(variables))
+    if clash:
+        raise TemplateVariableError(f"chat template variables may not set {', '.join(clash)} "
+                                    "(arguments of apply_chat_template itself)")
+
+
 def chat_ids(tokenizer, messages, prefill: Optional[str] = None, tools: Optional[list] = None,
              template_kwargs: Optional[dict] = None) -> List[int]:
     """Token ids of chat messages rendered with the chat template, ready for the assistant's
@@ -104,10 +112,7 @@ def chat_ids(tokenizer, messages, prefill: Optional[str] = None, tools: Optional
     mlx_lm.generate's --prefill-response does.  ``template_kwargs``: variables for the
     template (e.g. ``{"enable_thinking": False}``)."""
     template_kwargs = dict(template_kwargs or {})
-    clash = sorted(TEMPLATE_RESERVED.intersection(template_kwargs))
-    if clash:
-        raise TemplateVariableError(f"chat template variables may not set {', '.join(clash)} "
-                                    "(arguments of apply_chat_template itself)")
+    check_template_variables(template_kwargs)
     messages = list(messages)
     if prefill is not None:
         messages.append({"role": "assistant", "content": prefill})

@@ -9,7 +9,7 @@ import pytest
 from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.backend.engine import Engine, EngineError, InvalidOption, PromptTooLong, QueueFull
 from dflash2_mlx.backend.pool import EnginePool, PoolBusy, UnknownModel
-from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
+from dflash2_mlx.backend.settings import ModelSettings, SettingsError, SettingsStore
 from dflash2_mlx.backend.stops import StopMatcher
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
@@ -229,6 +229,35 @@ def test_chat_template_variables_reach_the_template(models):
         assert bad.value.param == "chat_template_kwargs"
     finally:
         run(e.stop())
+
+
+def test_model_settings_set_template_variables(models, tmp_path):
+    """model_settings.json's chat_template_kwargs and forced_ct_kwargs (oMLX's fields): the
+    model's variables over serve's, a request's over the model's except forced keys; an edit
+    applies from the next request; a variable that would set apply_chat_template's own
+    arguments makes the settings unusable, naming the field."""
+    root, _, _ = models
+    store = SettingsStore(tmp_path / "model_settings.json")
+    store.set("other", chat_template_kwargs={"shout": True})
+    pool = EnginePool(store, model_dir=root / "models", chat_template_args={"shout": False})
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def scenario():
+        e = await pool.get("other")
+        quiet = await e.count_chat_tokens(messages, chat_template_kwargs={"shout": False})
+        assert await e.count_chat_tokens(messages) == quiet + len("shout .")
+        store.set("other", forced_ct_kwargs=["shout"])
+        assert await pool.get("other") is e  # no reload: applies from the next request
+        assert await e.count_chat_tokens(messages, chat_template_kwargs={"shout": False}) == quiet + len("shout .")
+        reply = await e.chat(messages, max_tokens=4, chat_template_kwargs={"shout": False})
+        assert reply.prompt_tokens == quiet + len("shout .")
+        store.set("other", chat_template_kwargs={"shout": True, "tokenize": False})
+        with pytest.raises(SettingsError, match="other: chat_template_kwargs: .* may not set tokenize") as bad:
+            await pool.get("other")
+        assert bad.value.param == "chat_template_kwargs"
+        await pool.stop()
+
+    run(scenario())
 
 
 def test_stop_frees_memory_and_refuses_work(models):

@@ -58,7 +58,8 @@ def test_roundtrip_keeps_unknown_keys_and_drops_none(tmp_path):
                                   "dflash_draft_quant_enabled": True, "dflash_draft_quant_weight_bits": 4,
                                   "dflash_max_ctx": 4096, "temperature": None})
     assert s.dflash_enabled and s.draft == "z-lab/Qwen3-4B-DFlash-b16" and s.temperature is None
-    assert s.is_pinned and s.extra == {"display_name": "Qwen", "chat_template_kwargs": {"enable_thinking": False}}
+    assert s.is_pinned and s.extra == {"display_name": "Qwen"}
+    assert s.chat_template_kwargs == {"enable_thinking": False}
     on_disk = json.loads(path.read_text())
     assert on_disk["version"] == 1 and on_disk["profiles_version"] == 1
     assert on_disk["models"]["other"] == before["models"]["other"]
@@ -87,6 +88,10 @@ def test_roundtrip_keeps_unknown_keys_and_drops_none(tmp_path):
     ("max_context_window", 0),
     ("temperature", -0.1),
     ("top_p", 0.0),
+    ("chat_template_kwargs", ["enable_thinking"]),
+    ("forced_ct_kwargs", "enable_thinking"),
+    ("forced_ct_kwargs", [1]),
+    ("enable_thinking", "no"),
 ])
 def test_invalid_values_are_rejected_naming_the_field(tmp_path, field, value):
     path = tmp_path / "model_settings.json"
@@ -94,6 +99,18 @@ def test_invalid_values_are_rejected_naming_the_field(tmp_path, field, value):
     with pytest.raises(SettingsError, match=field):
         SettingsStore(path).update("Qwen3-4B", {field: value})
     assert path.read_text() == before  # nothing written
+
+
+def test_template_variables_merge_as_omlx_merges_them():
+    """Server defaults, then the model's chat_template_kwargs, its thinking toggles, then the
+    request's own variables, except the keys the model forces."""
+    s = ModelSettings.from_dict({"chat_template_kwargs": {"enable_thinking": True, "a": 1, "b": 1},
+                                 "enable_thinking": False, "forced_ct_kwargs": ["b"]})
+    assert s.template_variables() == {"enable_thinking": False, "a": 1, "b": 1}
+    assert s.template_variables({"a": 2, "b": 2, "enable_thinking": True}, defaults={"a": 0, "c": 0}) == {
+        "a": 2, "b": 1, "c": 0, "enable_thinking": True}
+    assert ModelSettings().template_variables({"x": 1}, defaults={"x": 0, "y": 0}) == {"x": 1, "y": 0}
+    assert ModelSettings(preserve_thinking=True).to_dict() == {"preserve_thinking": True}
 
 
 def test_unimplemented_verify_modes_say_so(tmp_path):

@@ -380,12 +380,13 @@ class Engine:
     def encode_chat(self, messages: List[dict], tools: Optional[List[dict]] = None,
                     chat_template_kwargs: Optional[dict] = None) -> List[int]:
         """Token ids of chat messages rendered with the chat template (tools included);
-        ``chat_template_kwargs``: template variables over the engine's defaults (e.g.
-        ``{"enable_thinking": False}``)."""
+        ``chat_template_kwargs``: the request's template variables (e.g.
+        ``{"enable_thinking": False}``), over the model's and the engine's
+        (``ModelSettings.template_variables``)."""
         self._check_running()
         from ..generate import TemplateVariableError, chat_ids
 
-        variables = {**self.chat_template_args, **(chat_template_kwargs or {})}
+        variables = self.settings.template_variables(chat_template_kwargs, self.chat_template_args)
         try:
             return chat_ids(self.tokenizer, messages, tools=tools, template_kwargs=variables)
         except TemplateVariableError as e:

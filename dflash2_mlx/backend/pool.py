@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ..generate import TemplateVariableError, check_template_variables
 from .engine import Engine
 from .settings import ModelSettings, SettingsError, SettingsStore
 
@@ -103,7 +104,12 @@ class EnginePool:
         if not isinstance(raw, dict):
             raise SettingsError(f"settings of {model_id} must be a JSON object")
         raw = {**raw, **self.overrides.get(model_id, {})}
-        return ModelSettings.from_dict(raw, model_id)
+        settings = ModelSettings.from_dict(raw, model_id)
+        try:
+            check_template_variables(settings.chat_template_kwargs or {})
+        except TemplateVariableError as e:
+            raise SettingsError(f"{model_id}: chat_template_kwargs: {e}", "chat_template_kwargs") from None
+        return settings
 
     # Engines ----------------------------------------------------------------------------
     async def get(self, model_id: str) -> Engine:

@@ -18,7 +18,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 SETTINGS_VERSION = 1
 SETTINGS_ENV = "DFLASH2_MLX_SETTINGS"
@@ -77,6 +77,12 @@ FIELDS = {
     "is_pinned": (_bool, "true or false"),
     "prefix_cache_gb": (lambda v: _num(v, lo=0), "a number >= 0 (GB; 0 turns the prefix cache off)"),
     "max_batch": (lambda v: _int(v, lo=1), "an integer >= 1 (requests run at once; 1: one at a time)"),
+    "chat_template_kwargs": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
+                             "a JSON object of chat-template variables"),
+    "forced_ct_kwargs": (lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
+                         "a list of chat_template_kwargs keys that requests may not override"),
+    "enable_thinking": (_bool, "true or false (the template variable enable_thinking)"),
+    "preserve_thinking": (_bool, "true or false (the template variable preserve_thinking)"),
 }
 
 
@@ -116,6 +122,10 @@ class ModelSettings:
     is_pinned: bool = False
     prefix_cache_gb: Optional[float] = None  # the server's --prefix-cache-gb when unset
     max_batch: Optional[int] = None  # the server's --max-batch when unset
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # template variables of every request
+    forced_ct_kwargs: Optional[List[str]] = None  # ... that a request may not override
+    enable_thinking: Optional[bool] = None  # over chat_template_kwargs' enable_thinking
+    preserve_thinking: Optional[bool] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -146,6 +156,19 @@ class ModelSettings:
         return out
 
     # What the engine uses -------------------------------------------------------------
+    def template_variables(self, request: Optional[dict] = None, defaults: Optional[dict] = None) -> dict:
+        """A request's chat-template variables, merged as oMLX merges them (later wins): the
+        server's ``defaults`` (``serve --chat-template-args``), this model's
+        ``chat_template_kwargs``, its ``enable_thinking`` / ``preserve_thinking``, then the
+        request's own, except the keys in ``forced_ct_kwargs`` (the model's stand)."""
+        merged = {**(defaults or {}), **(self.chat_template_kwargs or {})}
+        for name in ("enable_thinking", "preserve_thinking"):
+            if getattr(self, name) is not None:
+                merged[name] = getattr(self, name)
+        forced = set(self.forced_ct_kwargs or ())
+        merged.update((k, v) for k, v in (request or {}).items() if k not in forced)
+        return merged
+
     @property
     def draft(self) -> Optional[str]:
         """The drafter to load, or None for plain decoding."""
