@@ -245,8 +245,8 @@ def ship(args):
                       f"against others (`{args.eval_command}`):\n{report}")
     domain = ("; then prompts in the five benchmark domains' forms by `scripts/make_domain_prompts.py`\n"
               "  (multi-step word problems, LaTeX competition problems, stdlib stubs to complete, one-line\n"
-              "  function tasks, open questions; the forms of the sets, not their items: phases 2 and 3 trained on one\n"
-              "  MBPP item the maker had written word for word, since caught by a 13-word contamination check)") if args.domain else ""
+              "  function tasks, open questions; the forms of the sets, not their items: the maker, and the train step\n"
+              "  before every phase, drop any prompt that shares 13 words in a row with a benchmark prompt)") if args.domain else ""
     if args.magpie:
         domain += ("; then prompts the target wrote itself by `scripts/make_magpie_prompts.py` (Magpie: the chat\n"
                    "  template up to a user turn, sampled at T=1; one in five free-form, the rest from openers of the\n"
