@@ -61,6 +61,8 @@ def generate(
         "auto", "--block-size", help="Block size (anchor + drafted tokens): 'auto' chooses it every cycle from measured costs and live acceptance (1 = plain decoding); a number in 1..the drafter's trained size fixes it."),
     draft_window: Optional[int] = typer.Option(
         None, "--draft-window", help="Context rows a draft reads, the latest ones (default: all)."),
+    draft_sink: int = typer.Option(
+        0, "--draft-sink", min=0, help="With --draft-window: the first context rows a draft reads as well (attention sinks)."),
     draft_bits: Optional[int] = typer.Option(None, "--draft-bits", help="Quantize the drafter's weights to 2, 4 or 8 bits."),
     draft_group_size: int = typer.Option(64, "--draft-group-size", help="Group size for --draft-bits (32, 64 or 128)."),
     draft_activation_bits: int = typer.Option(32, "--draft-activation-bits", help="Drafter activation precision: 32 (fp32) or 16 (bf16)."),
@@ -119,7 +121,7 @@ def generate(
         for last in stream_generate(
                 target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,
                 top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size,
-                verify_mode=verify_mode, seed=seed, draft_window=draft_window, lookup=copies,
+                verify_mode=verify_mode, seed=seed, draft_window=draft_window, draft_sink=draft_sink, lookup=copies,
                 prefill_step_size=prefill_step_size):
             typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:

@@ -211,7 +211,7 @@ class BatchGenerator:
     sequence may verify a copy of its own earlier tokens instead of its draft."""
 
     def __init__(self, model, drafter: Drafter, *, block_size=adaptive.AUTO,
-                 draft_window: Optional[int] = None, prefill_step_size: int = 2048,
+                 draft_window: Optional[int] = None, draft_sink: int = 0, prefill_step_size: int = 2048,
                  batch_drafter: bool = True, return_caches: bool = False,
                  max_batch: Optional[int] = None, lookup: bool = True):
         self.target = attach(model, drafter)
@@ -225,7 +225,7 @@ class BatchGenerator:
             block_size = check_block_size(drafter, block_size)
             self.policy = (batch_policy(self.target, drafter) if block_size == adaptive.AUTO
                            else adaptive.policy(self.target, drafter, block_size))
-        self.draft_window = draft_window
+        self.draft_window, self.draft_sink = draft_window, draft_sink
         self.prefill_step_size = prefill_step_size
         self.batch_drafter = batch_drafter
         self.return_caches = return_caches
@@ -325,7 +325,7 @@ class BatchGenerator:
         for s in seqs:
             batch.add(s.prompt_cache)
             s.prompt_cache = None
-            s.context = s.context or DraftContext(self.drafter, self.draft_window)
+            s.context = s.context or DraftContext(self.drafter, self.draft_window, self.draft_sink)
             s.stats = CycleStats(self.policy.largest)
             s.history = s.prompt
         rest = [s.prompt[s.cached_tokens:].tolist() for s in seqs]

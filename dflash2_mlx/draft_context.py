@@ -2,8 +2,10 @@
 
 Features wait until the next draft and go in as one batch, so a run of plain decode steps
 (block size 1) feeds the drafter once when drafting resumes.  ``window`` bounds how many
-of the latest rows a draft reads (a long-context cap on the drafter's cost); the rows keep
-their absolute positions.
+of the latest rows a draft reads (a long-context cap on the drafter's cost), past the first
+``sink`` rows, which it always reads (attention sinks: softmax mass that has nowhere better
+to go lands on the first tokens, and a window without them shifts it onto others); the
+rows keep their absolute positions.
 """
 
 from typing import Optional
@@ -15,21 +17,27 @@ FLUSH_ROWS = 256  # pending rows that are fed at once even without a draft (boun
 
 
 class WindowCache(KVCache):
-    """A KVCache whose readers see only the last ``window`` rows."""
+    """A KVCache whose readers see only the first ``sink`` rows and the last ``window``."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, sink: int = 0):
         super().__init__()
-        self.window = window
+        self.window, self.sink = window, sink
 
     def keys_and_values(self):
         k, v = super().keys_and_values()
-        return k[..., -self.window:, :], v[..., -self.window:, :]
+        if k.shape[-2] <= self.sink + self.window:
+            return k, v
+        if not self.sink:
+            return k[..., -self.window:, :], v[..., -self.window:, :]
+        return (mx.concatenate([k[..., : self.sink, :], k[..., -self.window:, :]], axis=-2),
+                mx.concatenate([v[..., : self.sink, :], v[..., -self.window:, :]], axis=-2))
 
 
 class DraftContext:
-    def __init__(self, drafter, window: Optional[int] = None):
+    def __init__(self, drafter, window: Optional[int] = None, sink: int = 0):
         self.drafter = drafter
-        self.cache = [WindowCache(window) for _ in drafter.layers] if window else drafter.make_cache()
+        self.cache = ([WindowCache(window, sink) for _ in drafter.layers] if window
+                      else drafter.make_cache())
         self.pending, self.rows = [], 0
 
     def add(self, features: mx.array):

@@ -146,15 +146,17 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     logits_processors: Optional[List[Callable]] = None,
                     block_size: Union[int, str, None] = adaptive.AUTO, verify_mode: str = "dflash",
                     seed: Optional[int] = None, prefill_step_size: int = 2048,
-                    draft_window: Optional[int] = None, prompt_cache: Optional[list] = None,
-                    draft_context=None, cached_tokens: int = 0, lookup: bool = True):
+                    draft_window: Optional[int] = None, draft_sink: int = 0,
+                    prompt_cache: Optional[list] = None, draft_context=None, cached_tokens: int = 0,
+                    lookup: bool = True):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
     ``block_size`` ("auto": chosen every cycle, see ``adaptive.py``; a number fixes it);
     ``verify_mode="adaptive"`` is "auto" with a number as the largest block;
     ``verify_mode="off"`` (or no drafter) is plain autoregressive decoding.
-    ``draft_window``: how many of the latest context rows a draft reads (None: all).
+    ``draft_window``: how many of the latest context rows a draft reads (None: all), besides
+    the first ``draft_sink`` rows, which it always reads.
     ``lookup``: where the sequence repeats itself a block may be a copy of what followed
     the repeated tokens before (``lookup.py``); False: every block is the drafter's.
     A reused prefix (the server's prefix cache): ``prompt_cache`` (and with DFlash
@@ -186,7 +188,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
         tokens = speculative_generate_step(
             ids, target, drafter, max_tokens=limit, params=params,
             logits_processors=logits_processors, block_size=policy,
-            prefill_step_size=prefill_step_size, draft_window=draft_window,
+            prefill_step_size=prefill_step_size, draft_window=draft_window, draft_sink=draft_sink,
             prompt_cache=prompt_cache, context=draft_context, cached_tokens=cached_tokens,
             lookup=lookup,
         )

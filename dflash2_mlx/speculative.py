@@ -97,18 +97,20 @@ def speculative_generate_step(
     prefill_step_size: int = 2048,
     prompt_cache: Optional[list] = None,
     draft_window: Optional[int] = None,
+    draft_sink: int = 0,
     context: Optional[DraftContext] = None,
     cached_tokens: int = 0,
     lookup: bool = True,
 ) -> Iterator:
     """``block_size``: a number, "auto", or a policy (``adaptive.policy``); ``draft_window``:
-    how many of the latest context rows a draft reads (None: all). A reused prefix: the first
+    how many of the latest context rows a draft reads (None: all), besides the first
+    ``draft_sink`` (``draft_context.py``). A reused prefix: the first
     ``cached_tokens`` of the prompt are already in ``prompt_cache`` and ``context``.
     ``lookup``: blocks may be copies where the sequence repeats (False: always the drafter)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
     policy = block_size if hasattr(block_size, "record") else adaptive.policy(
         target, drafter, block_size, params.greedy)
-    context = DraftContext(drafter, draft_window) if context is None else context
+    context = DraftContext(drafter, draft_window, draft_sink) if context is None else context
     stats = CycleStats(max(policy.largest, policy.copy_largest))
     mask = drafter.config.mask_token_id
 

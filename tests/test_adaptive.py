@@ -283,14 +283,25 @@ def test_draft_context_fed_late_equals_fed_every_step(pair):
     window.add(features)
     k, _ = window.fed()[0].keys_and_values()
     assert k.shape[2] == 4 and window.fed()[0].offset == features.shape[1]
+    full = np.array(late.fed()[0].keys_and_values()[0])
+    np.testing.assert_array_equal(np.array(k), full[..., -4:, :])
+    # With sinks: the first 2 rows and the latest 4, each at its own position.
+    sunk = DraftContext(drafter, window=4, sink=2)
+    sunk.add(features)
+    k, v = sunk.fed()[0].keys_and_values()
+    np.testing.assert_array_equal(np.array(k), np.concatenate([full[..., :2, :], full[..., -4:, :]], axis=-2))
+    assert v.shape == k.shape
+    short = DraftContext(drafter, window=4, sink=features.shape[1] - 4)  # no more rows than sink + window: all
+    short.add(features)
+    np.testing.assert_array_equal(np.array(short.fed()[0].keys_and_values()[0]), full)
 
 
 def test_draft_window_keeps_parity(pair):
     model, tok, drafter = pair["qwen3"]
     prompt = tok.encode("abcab dcba abcab")
     ref = plain_tokens(model, prompt, 24)
-    for window in (1, 3):
-        out, _ = run(model, drafter, prompt, 24, 4, draft_window=window)
+    for window, sink in ((1, 0), (3, 0), (2, 3)):
+        out, _ = run(model, drafter, prompt, 24, 4, draft_window=window, draft_sink=sink)
         assert out == ref
 
 

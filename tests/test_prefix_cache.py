@@ -187,3 +187,23 @@ def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(
     assert sum(last.block_sizes.values()) == last.cycles and last.tau >= 1.0
     assert second.text == reference("zebra", max_tokens=20, logits_processors=bias)
     assert stats["requests"] == 3 and stats["generation_tokens"] == 12 + 120 + 20
+
+
+def test_omlx_cache_and_window_settings(pair):
+    """oMLX's names: dflash_in_memory_cache false turns the prefix cache off, its
+    max_entries keeps that many entries; a draft window with sinks keeps the text exact."""
+    target, drafter, reference = pair
+    base = dict(dflash_enabled=True, dflash_draft_model=str(drafter), dflash_block_size=4)
+    off = Engine(target, ModelSettings(**base, dflash_in_memory_cache=False), model_id="t")
+    assert not off.prefix_cache.enabled
+    engine = Engine(target, ModelSettings(**base, dflash_in_memory_cache_max_entries=1,
+                                          dflash_draft_window_size=3, dflash_draft_sink_size=2), model_id="t")
+    assert engine.prefix_cache.enabled and engine.settings.draft_window == 3 and engine.settings.draft_sink == 2
+    asyncio.run(engine.start())
+    try:
+        for prompt in ("hello world", "zebra quiz"):
+            c = asyncio.run(engine.generate(prompt, max_tokens=12))
+            assert c.text == reference(prompt, max_tokens=12, block_size=4)
+            assert engine.get_stats()["prefix_cache_entries"] == 1
+    finally:
+        asyncio.run(engine.stop())

@@ -92,6 +92,8 @@ def test_roundtrip_keeps_unknown_keys_and_drops_none(tmp_path):
     ("forced_ct_kwargs", "enable_thinking"),
     ("forced_ct_kwargs", [1]),
     ("enable_thinking", "no"),
+    ("dflash_draft_sink_size", -1),
+    ("dflash_in_memory_cache_max_entries", 0),
 ])
 def test_invalid_values_are_rejected_naming_the_field(tmp_path, field, value):
     path = tmp_path / "model_settings.json"
@@ -111,6 +113,19 @@ def test_template_variables_merge_as_omlx_merges_them():
         "a": 2, "b": 1, "c": 0, "enable_thinking": True}
     assert ModelSettings().template_variables({"x": 1}, defaults={"x": 0, "y": 0}) == {"x": 1, "y": 0}
     assert ModelSettings(preserve_thinking=True).to_dict() == {"preserve_thinking": True}
+
+
+def test_omlx_window_and_cache_names():
+    """oMLX's dflash_draft_window_size / _sink_size and dflash_in_memory_cache(_max_bytes)
+    mean what ours do; ours win where both are set."""
+    s = ModelSettings.from_dict({"dflash_draft_window_size": 1024, "dflash_draft_sink_size": 64})
+    assert (s.draft_window, s.draft_sink) == (1024, 64)
+    assert ModelSettings(dflash_draft_window=256, dflash_draft_window_size=1024).draft_window == 256
+    assert ModelSettings(dflash_draft_window_size=0).draft_window is None and ModelSettings().draft_sink == 0
+    assert ModelSettings().prefix_cache_bytes(1.0) == 10**9
+    assert ModelSettings(dflash_in_memory_cache=False).prefix_cache_bytes(1.0) == 0
+    assert ModelSettings(dflash_in_memory_cache_max_bytes=5000).prefix_cache_bytes(1.0) == 5000
+    assert ModelSettings(prefix_cache_gb=2.0, dflash_in_memory_cache=False).prefix_cache_bytes(1.0) == 2 * 10**9
 
 
 def test_unimplemented_verify_modes_say_so(tmp_path):

@@ -294,8 +294,8 @@ class Engine:
         self._requests = {}
         self._jobs = set()
         self._stats = EngineStats()
-        gb = _first(self.settings.prefix_cache_gb, prefix_cache_gb)
-        self.prefix_cache = PrefixCache(int(gb * 1e9))
+        self.prefix_cache = PrefixCache(self.settings.prefix_cache_bytes(prefix_cache_gb),
+                                        self.settings.dflash_in_memory_cache_max_entries)
         self._stopping = False
         self.last_used = time.monotonic()
 
@@ -637,7 +637,7 @@ class Engine:
         from ..batch import BatchGenerator
 
         return BatchGenerator(self._model, self._drafter, block_size=self._block_policy(),
-                              draft_window=self.settings.dflash_draft_window or None,
+                              draft_window=self.settings.draft_window, draft_sink=self.settings.draft_sink,
                               return_caches=True, lookup=self.settings.dflash_copies)
 
     def _join(self, gen, joined: Dict[int, "_Joined"], request: _Request, push,
@@ -655,7 +655,7 @@ class Engine:
         ids = request.ids + (carry.tokens if carry else [])
         try:
             start = (carry.caches if carry else self.prefix_cache).start(
-                ids, self._model, self._drafter, s.dflash_draft_window or None)
+                ids, self._model, self._drafter, s.draft_window, sink=s.draft_sink)
             penalties = _penalties(p)
             uid = gen.insert(
                 ids, max_tokens=self._max_tokens(p) - (carry.n if carry else 0),
@@ -788,13 +788,13 @@ class Engine:
             # Plain decoding shows its penalties only the uncached tokens: no reuse with them.
             reuse = drafting or not set(penalties) - {"logit_bias"}
             start = self.prefix_cache.start(request.ids, self._model, self._drafter if drafting else None,
-                                            s.dflash_draft_window or None, reuse=reuse)
+                                            s.draft_window, reuse=reuse, sink=s.draft_sink)
             gen = stream_generate(
                 self._model, self.tokenizer, request.ids, self._drafter,
                 max_tokens=self._max_tokens(p), **self._sampling(p),
                 logits_processors=make_logits_processors(**penalties) if penalties else None,
                 block_size=s.dflash_block_size, verify_mode=mode, seed=p.get("seed"),
-                draft_window=s.dflash_draft_window or None, prompt_cache=start.cache,
+                draft_window=s.draft_window, draft_sink=s.draft_sink, prompt_cache=start.cache,
                 draft_context=start.context, cached_tokens=start.tokens, lookup=s.dflash_copies)
             for last in gen:
                 n = last.generation_tokens

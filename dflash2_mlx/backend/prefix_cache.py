@@ -13,7 +13,8 @@ An entry holds the token ids it covers and copies of the cache arrays for them:
 A plain request can reuse a DFlash entry's target part; a DFlash request needs the draft rows.
 At least the prompt's last token is always run, so the first token comes from fresh logits.
 
-Entries live in one model's engine, least recently used first out, within ``budget`` bytes.
+Entries live in one model's engine, least recently used first out, within ``budget`` bytes
+(and ``max_entries``, if set).
 Everything here runs on the MLX worker thread.
 """
 
@@ -86,8 +87,9 @@ def _load_rows(c: KVCache, rows, n: int):
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, max_entries: Optional[int] = None):
         self.budget = int(budget_bytes)
+        self.max_entries = max_entries  # None: as many as the budget holds
         self.entries: "collections.OrderedDict[int, Entry]" = collections.OrderedDict()
         self._keys = iter(range(1 << 62))
         self._lock = threading.Lock()  # stats() is read from the event loop
@@ -121,14 +123,15 @@ class PrefixCache:
                 best, best_n = key, n
         return best, best_n
 
-    def start(self, ids: Sequence[int], model, drafter=None, window=None, reuse: bool = True) -> Start:
+    def start(self, ids: Sequence[int], model, drafter=None, window=None, reuse: bool = True,
+              sink: int = 0) -> Start:
         """Caches for a request over ``ids``: restored from the best entry, or fresh. With a
         ``drafter`` (DFlash) the start has a draft context too. A hybrid target is advanced to
         the last-but-one prompt token here and stored; its states there are the first held."""
         from ..draft_context import DraftContext
 
         cache = make_prompt_cache(model)
-        context = DraftContext(drafter, window) if drafter is not None else None
+        context = DraftContext(drafter, window, sink) if drafter is not None else None
         if not self.enabled or not reusable(cache):
             return Start(cache, context)
         key, n = self._best(ids, context is not None) if reuse else (None, 0)
@@ -220,7 +223,7 @@ class PrefixCache:
                         and (trimmable or e.tokens == entry.tokens)):
                     del self.entries[key]
             self.entries[next(self._keys)] = entry
-            while self.nbytes > self.budget:
+            while self.nbytes > self.budget or len(self.entries) > (self.max_entries or len(self.entries)):
                 self.entries.popitem(last=False)
 
     def clear(self):

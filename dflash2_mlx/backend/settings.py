@@ -68,6 +68,11 @@ FIELDS = {
     "dflash_max_ctx": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = no limit)"),
     "dflash_draft_window": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = the whole context)"),
     "dflash_copies": (_bool, "true or false"),
+    "dflash_draft_window_size": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = the whole context)"),
+    "dflash_draft_sink_size": (lambda v: _int(v, lo=0), "an integer >= 0"),
+    "dflash_in_memory_cache": (_bool, "true or false"),
+    "dflash_in_memory_cache_max_bytes": (lambda v: _int(v, lo=0), "an integer >= 0 (bytes)"),
+    "dflash_in_memory_cache_max_entries": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "max_context_window": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "max_tokens": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "temperature": (lambda v: _num(v, lo=0), "a number >= 0"),
@@ -84,6 +89,10 @@ FIELDS = {
     "enable_thinking": (_bool, "true or false (the template variable enable_thinking)"),
     "preserve_thinking": (_bool, "true or false (the template variable preserve_thinking)"),
 }
+
+
+def _first_set(*values):
+    return next((v for v in values if v is not None), None)
 
 
 def check_value(name: str, value):
@@ -113,6 +122,13 @@ class ModelSettings:
     dflash_max_ctx: Optional[int] = None
     dflash_draft_window: Optional[int] = None  # context rows a draft reads (the latest)
     dflash_copies: bool = True  # copy where the text repeats itself (lookup.py); False: always draft
+    # oMLX's names: the draft window (dflash_draft_window wins when both are set), the first
+    # context rows every draft reads besides it, and the prefix cache (prefix_cache_gb wins).
+    dflash_draft_window_size: Optional[int] = None
+    dflash_draft_sink_size: Optional[int] = None
+    dflash_in_memory_cache: Optional[bool] = None
+    dflash_in_memory_cache_max_bytes: Optional[int] = None
+    dflash_in_memory_cache_max_entries: Optional[int] = None
     max_context_window: Optional[int] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -173,6 +189,25 @@ class ModelSettings:
     def draft(self) -> Optional[str]:
         """The drafter to load, or None for plain decoding."""
         return self.dflash_draft_model if self.dflash_enabled and self.dflash_draft_model else None
+
+    @property
+    def draft_window(self) -> Optional[int]:
+        """Context rows a draft reads, the latest ones (None: all)."""
+        return _first_set(self.dflash_draft_window, self.dflash_draft_window_size) or None
+
+    @property
+    def draft_sink(self) -> int:
+        """The first context rows a windowed draft reads as well."""
+        return self.dflash_draft_sink_size or 0
+
+    def prefix_cache_bytes(self, default_gb: float) -> int:
+        """The prefix cache's budget: ``prefix_cache_gb``, else oMLX's
+        ``dflash_in_memory_cache`` (false: none) and its byte budget, else ``default_gb``."""
+        if self.prefix_cache_gb is not None:
+            return int(self.prefix_cache_gb * 1e9)
+        if self.dflash_in_memory_cache is False:
+            return 0
+        return _first_set(self.dflash_in_memory_cache_max_bytes, int(default_gb * 1e9))
 
     def load_kwargs(self) -> dict:
         """Keyword arguments of ``dflash2_mlx.load`` for the drafter."""
