@@ -99,6 +99,26 @@ def test_sampling_follows_seed(engine, reference):
     assert others - {greedy}  # temperature is really applied
 
 
+def test_model_penalties_are_defaults_a_request_overrides(models, reference):
+    """model_settings.json's repetition_penalty / presence_penalty (oMLX's fields) apply to
+    requests that send none; a request's own wins (1.0 / 0.0: none at all)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    _, target, drafter = models
+    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter),
+                                     repetition_penalty=1.5, presence_penalty=0.5), model_id="tiny")
+    run(e.start())
+    try:
+        penalized = reference("hello world", max_tokens=24, logits_processors=make_logits_processors(
+            repetition_penalty=1.5, presence_penalty=0.5))
+        assert penalized != reference("hello world", max_tokens=24)  # the penalties change this text
+        assert run(e.generate("hello world", max_tokens=24)).text == penalized
+        own = run(e.generate("hello world", max_tokens=24, repetition_penalty=1.0, presence_penalty=0.0))
+        assert own.text == reference("hello world", max_tokens=24)
+    finally:
+        run(e.stop())
+
+
 def test_stop_strings_cut_the_text(engine, reference):
     full = reference("hello world", max_tokens=40, logits_processors=None)
     stop = full[12:15]

@@ -93,6 +93,8 @@ def test_roundtrip_keeps_unknown_keys_and_drops_none(tmp_path):
     ("forced_ct_kwargs", [1]),
     ("enable_thinking", "no"),
     ("dflash_draft_sink_size", -1),
+    ("repetition_penalty", 0),
+    ("presence_penalty", 3),
     ("dflash_in_memory_cache_max_entries", 0),
 ])
 def test_invalid_values_are_rejected_naming_the_field(tmp_path, field, value):

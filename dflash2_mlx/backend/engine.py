@@ -656,7 +656,7 @@ class Engine:
         try:
             start = (carry.caches if carry else self.prefix_cache).start(
                 ids, self._model, self._drafter, s.draft_window, sink=s.draft_sink)
-            penalties = _penalties(p)
+            penalties = _penalties(p, s)
             uid = gen.insert(
                 ids, max_tokens=self._max_tokens(p) - (carry.n if carry else 0),
                 params=SamplingParams(**self._sampling(p)),
@@ -776,15 +776,15 @@ class Engine:
             self._solo_end(request, solo, None)
             return
         began, first = time.perf_counter(), None
-        mode = s.verify_mode(n_prompt)
-        engine = s.engine(n_prompt)
-        drafting = mode != "off" and self._drafter is not None
-        penalties = _penalties(p)
-        reply = _Reply(self.tokenizer, p, request.tools)
         last, finish, n = None, None, 0
-        gen = start = None
+        gen = start = mode = None
         emitted = []
-        try:
+        try:  # everything that can fail inside: a failure must still end the request (below)
+            mode = s.verify_mode(n_prompt)
+            engine = s.engine(n_prompt)
+            drafting = mode != "off" and self._drafter is not None
+            penalties = _penalties(p, s)
+            reply = _Reply(self.tokenizer, p, request.tools)
             # Plain decoding shows its penalties only the uncached tokens: no reuse with them.
             reuse = drafting or not set(penalties) - {"logit_bias"}
             start = self.prefix_cache.start(request.ids, self._model, self._drafter if drafting else None,
@@ -853,9 +853,17 @@ class Engine:
             self._solo_ended(request, carry)
 
 
-def _penalties(p: dict) -> dict:
-    """The request's penalties and logit bias as ``make_logits_processors`` options."""
-    out = {k: p.get(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty") if p.get(k)}
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def _penalties(p: dict, s: ModelSettings) -> dict:
+    """The request's penalties (else the model's) and logit bias as ``make_logits_processors``
+    options; a neutral penalty builds no processor (a plain request keeps its prefix reuse)."""
+    out = {}
+    for k, neutral in NEUTRAL.items():
+        v = _first(p.get(k), getattr(s, k, None), neutral)
+        if v != neutral:
+            out[k] = v
     if p.get("logit_bias"):
         out["logit_bias"] = {int(k): float(v) for k, v in p["logit_bias"].items()}
     return out

@@ -79,6 +79,8 @@ FIELDS = {
     "top_p": (lambda v: _num(v, lo=0, hi=1, lo_open=True), "a number in (0, 1]"),
     "top_k": (lambda v: _int(v, lo=0), "an integer >= 0"),
     "min_p": (lambda v: _num(v, lo=0, hi=1), "a number in [0, 1]"),
+    "repetition_penalty": (lambda v: _num(v, lo=0, lo_open=True), "a number > 0 (1 = none)"),
+    "presence_penalty": (lambda v: _num(v, lo=-2, hi=2), "a number in [-2, 2] (0 = none)"),
     "is_pinned": (_bool, "true or false"),
     "prefix_cache_gb": (lambda v: _num(v, lo=0), "a number >= 0 (GB; 0 turns the prefix cache off)"),
     "max_batch": (lambda v: _int(v, lo=1), "an integer >= 1 (requests run at once; 1: one at a time)"),
@@ -135,6 +137,8 @@ class ModelSettings:
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # a request's own wins, as sampling's do
+    presence_penalty: Optional[float] = None
     is_pinned: bool = False
     prefix_cache_gb: Optional[float] = None  # the server's --prefix-cache-gb when unset
     max_batch: Optional[int] = None  # the server's --max-batch when unset
