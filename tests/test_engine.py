@@ -8,7 +8,7 @@ import pytest
 
 from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.backend.engine import Engine, EngineError, InvalidOption, PromptTooLong, QueueFull
-from dflash2_mlx.backend.pool import EnginePool, PoolBusy, UnknownModel
+from dflash2_mlx.backend.pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
 from dflash2_mlx.backend.settings import ModelSettings, SettingsError, SettingsStore
 from dflash2_mlx.backend.stops import StopMatcher
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
@@ -291,6 +291,37 @@ def test_stop_frees_memory_and_refuses_work(models):
     assert loaded > before and active() <= before
     with pytest.raises(EngineError):
         e.stream_generate("hello")
+
+
+def test_pool_names_defaults_and_ttl(models, tmp_path):
+    """oMLX's model_alias (the API's name; the id still works), is_default (the model of a
+    request naming none) and ttl_seconds (idle models unloaded; pinned or busy ones kept)."""
+    root, _, _ = models
+    store = SettingsStore(tmp_path / "model_settings.json")
+    pool = EnginePool(store, model_dir=root / "models", max_models=2)
+    with pytest.raises(NoDefaultModel):
+        pool.resolve(None)
+    store.set("tiny", model_alias="tiny-chat", ttl_seconds=5)
+    store.set("other", is_default=True, ttl_seconds=5, is_pinned=True)
+    assert [pool.resolve(n) for n in ("tiny-chat", "tiny", None)] == ["tiny", "tiny", "other"]
+    assert pool.public_name("tiny") == "tiny-chat" and pool.public_name("other") == "other"
+    with pytest.raises(UnknownModel):
+        pool.resolve("tiny-chatty")
+
+    async def scenario():
+        tiny, other = await pool.get("tiny"), await pool.get("other")
+        now = tiny.last_used
+        assert await pool.expire(now + 4) == []  # not idle long enough
+        busy = tiny.stream_generate("hello", max_tokens=400, logit_bias=NO_EOS)
+        await busy.__anext__()
+        assert await pool.expire(tiny.last_used + 60) == []  # busy
+        await busy.aclose()
+        await idle(tiny)
+        assert await pool.expire(max(tiny.last_used, other.last_used) + 6) == ["tiny"]  # other is pinned
+        assert not tiny.running and other.running and list(pool.engines) == ["other"]
+        await pool.stop()
+
+    run(scenario())
 
 
 def test_pool_loads_on_demand_and_evicts_lru(models, tmp_path):

@@ -111,6 +111,26 @@ def test_models_listed(client):
     assert client.models.retrieve("tiny").id == "tiny"
 
 
+def test_alias_and_default_model(server, client, reference):
+    """A model_alias is the model's name in /v1/models and in replies (its id still works);
+    with is_default a request may name no model."""
+    store = SettingsStore(server["settings"])
+    r = httpx.post(server["base"] + "/v1/completions", json={"prompt": "hello world", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    store.set("tiny", model_alias="tiny-chat", is_default=True)
+    try:
+        assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+        assert client.models.retrieve("tiny").id == client.models.retrieve("tiny-chat").id == "tiny-chat"
+        r = client.completions.create(model="tiny-chat", prompt="hello world", max_tokens=8)
+        assert r.model == "tiny-chat" and r.choices[0].text == reference("hello world", max_tokens=8)
+        r = httpx.post(server["base"] + "/v1/completions", json={"prompt": "hello world", "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["model"] == "tiny-chat"
+        assert r.json()["choices"][0]["text"] == reference("hello world", max_tokens=8)
+    finally:
+        store.update("tiny", {"model_alias": None, "is_default": None})
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
 def test_chat_non_streaming_equals_generate(client, reference):
     r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0)
     assert r.choices[0].message.content == reference(CHAT, max_tokens=24)

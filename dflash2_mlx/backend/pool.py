@@ -12,6 +12,7 @@ settings file that cannot be read leaves the last good settings in force (``prob
 import asyncio
 import collections
 import logging
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -29,6 +30,11 @@ class UnknownModel(KeyError):
 
     def __str__(self):
         return f"the model {self.model_id!r} does not exist"
+
+
+class NoDefaultModel(LookupError):
+    def __str__(self):
+        return "the request names no model and no model is the default (is_default): name one"
 
 
 class PoolBusy(RuntimeError):
@@ -70,6 +76,29 @@ class EnginePool:
             ids += sorted(p.name for p in self.model_dir.iterdir()
                           if (p / "config.json").is_file() and p.name not in self.models)
         return ids
+
+    def resolve(self, name: Optional[str]) -> str:
+        """The model id a request names: an id, a ``model_alias``, or (None) the model whose
+        settings say ``is_default``.  Raises UnknownModel or NoDefaultModel."""
+        ids, entries = self.model_ids(), self._entries()
+        flag = lambda m, key: (entries.get(m) or {}).get(key) if isinstance(entries.get(m), dict) else None  # noqa: E731
+        if name is None:
+            default = [m for m in ids if flag(m, "is_default") is True]
+            if not default:
+                raise NoDefaultModel()
+            return default[0]
+        if name in ids:
+            return name
+        for m in ids:
+            if flag(m, "model_alias") == name:
+                return m
+        raise UnknownModel(name)
+
+    def public_name(self, model_id: str) -> str:
+        """The name the API shows for a model: its ``model_alias``, else its id."""
+        entry = self._entries().get(model_id)
+        alias = entry.get("model_alias") if isinstance(entry, dict) else None
+        return alias if isinstance(alias, str) and alias.strip() else model_id
 
     def path_of(self, model_id: str) -> str:
         if model_id in self.models:
@@ -174,6 +203,25 @@ class EnginePool:
                 return False
             await self._unload(model_id)
             return True
+
+    async def expire(self, now: Optional[float] = None) -> List[str]:
+        """Unload the engines idle for longer than their ``ttl_seconds`` (not pinned ones,
+        not busy ones); the ids unloaded."""
+        now = time.monotonic() if now is None else now
+        gone = []
+        async with self._lock:
+            for model_id, engine in list(self.engines.items()):
+                try:
+                    s = self.settings_of(model_id)  # as the file says now
+                except SettingsError:
+                    s = engine.settings
+                if (s.ttl_seconds and not s.is_pinned and not engine.has_active_requests()
+                        and now - engine.last_used > s.ttl_seconds):
+                    await self._unload(model_id)
+                    gone.append(model_id)
+        for model_id in gone:
+            log.info("unloaded %s: idle for longer than its ttl_seconds", model_id)
+        return gone
 
     async def stop(self):
         async with self._lock:

@@ -27,7 +27,7 @@ class _Request(BaseModel):
     # Strict: "0.5" is not a temperature. Unknown OpenAI options are accepted and ignored.
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str = Field(min_length=1)
+    model: Optional[str] = Field(None, min_length=1)  # None: the default model (is_default)
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)

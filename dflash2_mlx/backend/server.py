@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import EngineError, InvalidOption, PromptTooLong, QueueFull
-from .pool import EnginePool, PoolBusy, UnknownModel
+from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
                        completion_chunk, completion_response, error_body, new_id, usage_chunk,
                        validation_error)
@@ -34,6 +34,7 @@ from .settings import SettingsError
 log = logging.getLogger("dflash2_mlx.server")
 MAX_BODY_BYTES = 16 * 1024 * 1024
 DISCONNECT_POLL_S = 0.25
+TTL_POLL_S = 1.0
 
 
 def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> FastAPI:
@@ -41,7 +42,9 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
     async def lifespan(app):
         for model_id in preload:
             await pool.get(model_id)
+        reaper = asyncio.create_task(_expire_idle(pool))
         yield
+        reaper.cancel()
         await pool.stop()
 
     app = FastAPI(title="dflash2-mlx", lifespan=lifespan)
@@ -93,14 +96,15 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id not in pool.model_ids():
-            raise _unknown(model_id)
-        return _model_card(pool, model_id)
+        try:
+            return _model_card(pool, pool.resolve(model_id))
+        except UnknownModel:
+            raise _unknown(model_id) from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatRequest)
-        engine = await _engine(pool, body.model)
+        engine = await _engine(pool, body)
         rid = new_id("chatcmpl")
         messages = body.template_messages()
         with _mapped_errors():
@@ -117,7 +121,7 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
-        engine = await _engine(pool, body.model)
+        engine = await _engine(pool, body)
         rid = new_id("cmpl")
         with _mapped_errors():
             if body.stream:
@@ -132,7 +136,7 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
 
 def _model_card(pool: EnginePool, model_id: str) -> dict:
     """An OpenAI model entry plus ``dflash``: how the model's requests are decoded."""
-    card = {"id": model_id, "object": "model", "created": 0, "owned_by": "dflash2-mlx"}
+    card = {"id": pool.public_name(model_id), "object": "model", "created": 0, "owned_by": "dflash2-mlx"}
     try:
         card["dflash"] = pool.settings_of(model_id).engine()
     except SettingsError as e:
@@ -196,7 +200,26 @@ async def _parse(request: Request, schema):
         raise validation_error(e) from None
 
 
-async def _engine(pool: EnginePool, model_id: str):
+async def _expire_idle(pool: EnginePool):
+    """Unload models idle past their ttl_seconds, checking every TTL_POLL_S."""
+    while True:
+        await asyncio.sleep(TTL_POLL_S)
+        try:
+            await pool.expire()
+        except Exception:  # the server goes on; the next round tries again
+            log.exception("unloading idle models failed")
+
+
+async def _engine(pool: EnginePool, body):
+    """The engine of the model the request names (an id, an alias, or none: the default);
+    ``body.model`` becomes the name the replies show."""
+    try:
+        model_id = pool.resolve(body.model)
+    except UnknownModel:
+        raise _unknown(body.model) from None
+    except NoDefaultModel as e:
+        raise APIError(400, str(e), param="model") from None
+    body.model = body.model or pool.public_name(model_id)
     try:
         return await pool.get(model_id)
     except UnknownModel:

@@ -82,6 +82,9 @@ FIELDS = {
     "repetition_penalty": (lambda v: _num(v, lo=0, lo_open=True), "a number > 0 (1 = none)"),
     "presence_penalty": (lambda v: _num(v, lo=-2, hi=2), "a number in [-2, 2] (0 = none)"),
     "is_pinned": (_bool, "true or false"),
+    "is_default": (_bool, "true or false (the model of requests that name none)"),
+    "model_alias": (lambda v: isinstance(v, str) and v.strip() != "", "a name for the API"),
+    "ttl_seconds": (lambda v: _int(v, lo=1), "an integer >= 1 (seconds idle before unloading)"),
     "prefix_cache_gb": (lambda v: _num(v, lo=0), "a number >= 0 (GB; 0 turns the prefix cache off)"),
     "max_batch": (lambda v: _int(v, lo=1), "an integer >= 1 (requests run at once; 1: one at a time)"),
     "chat_template_kwargs": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
@@ -139,7 +142,10 @@ class ModelSettings:
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None  # a request's own wins, as sampling's do
     presence_penalty: Optional[float] = None
-    is_pinned: bool = False
+    is_pinned: bool = False  # never unloaded to make room, nor for its ttl
+    is_default: bool = False  # the model of requests that name none
+    model_alias: Optional[str] = None  # the name the API shows (the id still works)
+    ttl_seconds: Optional[int] = None  # idle seconds before the server unloads it
     prefix_cache_gb: Optional[float] = None  # the server's --prefix-cache-gb when unset
     max_batch: Optional[int] = None  # the server's --max-batch when unset
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # template variables of every request
