@@ -41,6 +41,12 @@ class PoolBusy(RuntimeError):
     """Every loaded model is busy and there is no room for another."""
 
 
+def _raw(entries: dict, model_id: str, key: str):
+    """One key of a model's settings entry as the file has it (None: absent, or no object)."""
+    entry = entries.get(model_id)
+    return entry.get(key) if isinstance(entry, dict) else None
+
+
 def weights_bytes(path) -> int:
     """Size of a model directory's safetensors (0 for a hub id not on disk)."""
     p = Path(str(path)).expanduser()
@@ -81,23 +87,21 @@ class EnginePool:
         """The model id a request names: an id, a ``model_alias``, or (None) the model whose
         settings say ``is_default``.  Raises UnknownModel or NoDefaultModel."""
         ids, entries = self.model_ids(), self._entries()
-        flag = lambda m, key: (entries.get(m) or {}).get(key) if isinstance(entries.get(m), dict) else None  # noqa: E731
         if name is None:
-            default = [m for m in ids if flag(m, "is_default") is True]
+            default = [m for m in ids if _raw(entries, m, "is_default") is True]
             if not default:
                 raise NoDefaultModel()
             return default[0]
         if name in ids:
             return name
         for m in ids:
-            if flag(m, "model_alias") == name:
+            if _raw(entries, m, "model_alias") == name:
                 return m
         raise UnknownModel(name)
 
     def public_name(self, model_id: str) -> str:
         """The name the API shows for a model: its ``model_alias``, else its id."""
-        entry = self._entries().get(model_id)
-        alias = entry.get("model_alias") if isinstance(entry, dict) else None
+        alias = _raw(self._entries(), model_id, "model_alias")
         return alias if isinstance(alias, str) and alias.strip() else model_id
 
     def path_of(self, model_id: str) -> str:
