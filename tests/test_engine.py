@@ -347,6 +347,9 @@ def test_pool_loads_on_demand_and_evicts_lru(models, tmp_path):
         # A manager edits the settings: a sampling default applies without a reload...
         store.set("tiny", temperature=0.5)
         assert await pool.get("tiny") is tiny and tiny.settings.temperature == 0.5
+        assert tiny.prefix_cache.enabled  # ...and so does the prefix cache's size
+        store.set("tiny", dflash_in_memory_cache=False)
+        assert await pool.get("tiny") is tiny and not tiny.prefix_cache.enabled
         # ...and turning DFlash off reloads the model without its drafter.
         store.set("tiny", dflash_enabled=False)
         plain = await pool.get("tiny")

@@ -294,6 +294,7 @@ class Engine:
         self._requests = {}
         self._jobs = set()
         self._stats = EngineStats()
+        self.prefix_cache_gb = prefix_cache_gb  # the server's, where the settings give none
         self.prefix_cache = PrefixCache(self.settings.prefix_cache_bytes(prefix_cache_gb),
                                         self.settings.dflash_in_memory_cache_max_entries)
         self._stopping = False
@@ -303,6 +304,14 @@ class Engine:
     @property
     def running(self) -> bool:
         return self._model is not None and not self._stopping
+
+    def update_settings(self, settings: ModelSettings):
+        """New settings that need no reload (``load_key`` unchanged): sampling defaults,
+        template variables and the like apply from the next request, the prefix cache's
+        size from its next entry."""
+        self.settings = settings
+        self.prefix_cache.budget = settings.prefix_cache_bytes(self.prefix_cache_gb)
+        self.prefix_cache.max_entries = settings.dflash_in_memory_cache_max_entries
 
     async def start(self):
         """Load the target and drafter on the worker thread (a no-op when running)."""

@@ -176,7 +176,7 @@ class EnginePool:
         if engine.settings.load_key() != settings.load_key() and not engine.has_active_requests():
             return None
         if engine.settings.load_key() == settings.load_key():
-            engine.settings = settings  # sampling defaults apply from the next request
+            engine.update_settings(settings)
         self.engines.move_to_end(model_id)
         return engine
 
