@@ -181,8 +181,11 @@ python "$T" ship run-s10/final shipped-s10 "${SHIP[@]}"
 python "$T" ship run-s9/final shipped-s9 --bits 8 --data run-s9/data-clean.jsonl --previous run-s4/final \
     --previous run-s5/final --previous run-s6/final --previous run-s7/final --previous run-s8/final --domain --magpie \
     --sampled 512
-dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d previous=shipped-s9 -d this=shipped-s10 "${SETS[@]}" \
+# "before": the DFlash 2 drafter in the package until this line replaces it (keep this one
+# only if it does better: git checkout -- dflash2_mlx/drafters otherwise).
+[[ -f eval-s10/report.md ]] || dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d before="$DEST/smollm2-135m-dflash2" \
+    -d previous=shipped-s9 -d this=shipped-s10 "${SETS[@]}" \
     --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s10
 python "$T" ship run-s10/final "$DEST/smollm2-135m-dflash2" "${SHIP[@]}" --eval eval-s10 \
-    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d previous=<run-s9 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
+    --eval-command "dflash2-mlx eval -d v1=<shipped v1> -d before=<the DFlash 2 drafter shipped before> -d previous=<run-s9 shipped> -d this=<this drafter> <five sets> --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o DIR"
 python "$T" check data-all10.jsonl run-v1/final "$DEST/smollm2-135m-dflash1" run-s10/final "$DEST/smollm2-135m-dflash2"
