@@ -4,8 +4,9 @@ Teacher-forced on the target's greedy responses to benchmark prompts: at every p
 a response with a full block after it, the drafter's greedy walk (as ``dflash2-mlx eval``
 scores it) and, where the last tokens repeat, the copy ``Lookup`` offers; how many leading
 tokens of each equal the target's own.  Prints, per set, the share of positions with a copy
-on offer, the mean accepted depth of copy and walk there, and tau with the walk alone
-against copying where a copy is on offer and drafting elsewhere.
+on offer, the mean accepted depth of copy and walk there, and tau with the walk alone,
+against copying where a copy is on offer and drafting elsewhere, and against verifying
+both wherever a copy is on offer (a two-branch tree: an upper bound on what that would add).
 
     python scripts/copies_offline.py --first 3 --last 8 --max-tokens 128 --block-size 5
 """
@@ -60,7 +61,8 @@ def main():
         both = np.where(on, copy, walk)
         print(f"{name}: {len(r)} positions, a copy on offer at {on.mean():.0%}; there copy "
               f"{copy[on].mean() if on.any() else 0:.2f} deep, walk {walk[on].mean() if on.any() else 0:.2f}; "
-              f"tau walk {1 + walk.mean():.2f}, copies + walk {1 + both.mean():.2f}")
+              f"tau walk {1 + walk.mean():.2f}, copies + walk {1 + both.mean():.2f}, "
+              f"either (both verified where a copy is on offer) {1 + np.maximum(walk, copy).mean():.2f}")
 
 
 if __name__ == "__main__":
