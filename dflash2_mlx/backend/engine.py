@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 from .prefix_cache import PrefixCache
-from .settings import ModelSettings
+from .settings import ModelSettings, first_set
 from .stats import EngineStats
 from .stops import StopMatcher
 from .tool_calls import ToolCallSplitter
@@ -295,8 +295,8 @@ class Engine:
         self._jobs = set()
         self._stats = EngineStats()
         self.prefix_cache_gb = prefix_cache_gb  # the server's, where the settings give none
-        self.prefix_cache = PrefixCache(self.settings.prefix_cache_bytes(prefix_cache_gb),
-                                        self.settings.dflash_in_memory_cache_max_entries)
+        self.prefix_cache = PrefixCache(0)
+        self.update_settings(self.settings)  # sizes the prefix cache
         self._stopping = False
         self.last_used = time.monotonic()
 
@@ -526,17 +526,17 @@ class Engine:
 
     # Request options ------------------------------------------------------------------
     def _max_batch(self) -> int:
-        return max(1, _first(self.settings.max_batch, self.max_batch))
+        return max(1, first_set(self.settings.max_batch, self.max_batch))
 
     def _max_tokens(self, p: dict) -> int:
-        return _first(p.get("max_tokens"), self.settings.max_tokens, self.default_max_tokens)
+        return first_set(p.get("max_tokens"), self.settings.max_tokens, self.default_max_tokens)
 
     def _sampling(self, p: dict) -> dict:
         s = self.settings
-        return dict(temp=_first(p.get("temperature"), s.temperature, 0.0),
-                    top_p=_first(p.get("top_p"), s.top_p, 1.0),
-                    top_k=_first(p.get("top_k"), s.top_k, 0),
-                    min_p=_first(p.get("min_p"), s.min_p, 0.0))
+        return dict(temp=first_set(p.get("temperature"), s.temperature, 0.0),
+                    top_p=first_set(p.get("top_p"), s.top_p, 1.0),
+                    top_k=first_set(p.get("top_k"), s.top_k, 0),
+                    min_p=first_set(p.get("min_p"), s.min_p, 0.0))
 
     def _block_policy(self):
         """The batch's block size: fixed, "auto", or (verify mode "adaptive" with a block
@@ -870,7 +870,7 @@ def _penalties(p: dict, s: ModelSettings) -> dict:
     options; a neutral penalty builds no processor (a plain request keeps its prefix reuse)."""
     out = {}
     for k, neutral in NEUTRAL.items():
-        v = _first(p.get(k), getattr(s, k, None), neutral)
+        v = first_set(p.get(k), getattr(s, k, None), neutral)
         if v != neutral:
             out[k] = v
     if p.get("logit_bias"):
@@ -928,10 +928,6 @@ def _in_event_loop() -> bool:
         return True
     except RuntimeError:
         return False
-
-
-def _first(*values):
-    return next(v for v in values if v is not None)
 
 
 def _config_value(model, key: str) -> Optional[int]:

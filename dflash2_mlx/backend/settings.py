@@ -96,7 +96,8 @@ FIELDS = {
 }
 
 
-def _first_set(*values):
+def first_set(*values):
+    """The first value that is not None (None if all are)."""
     return next((v for v in values if v is not None), None)
 
 
@@ -203,7 +204,7 @@ class ModelSettings:
     @property
     def draft_window(self) -> Optional[int]:
         """Context rows a draft reads, the latest ones (None: all)."""
-        return _first_set(self.dflash_draft_window, self.dflash_draft_window_size) or None
+        return first_set(self.dflash_draft_window, self.dflash_draft_window_size) or None
 
     @property
     def draft_sink(self) -> int:
@@ -217,7 +218,7 @@ class ModelSettings:
             return int(self.prefix_cache_gb * 1e9)
         if self.dflash_in_memory_cache is False:
             return 0
-        return _first_set(self.dflash_in_memory_cache_max_bytes, int(default_gb * 1e9))
+        return first_set(self.dflash_in_memory_cache_max_bytes, int(default_gb * 1e9))
 
     def load_kwargs(self) -> dict:
         """Keyword arguments of ``dflash2_mlx.load`` for the drafter."""
