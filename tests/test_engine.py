@@ -293,11 +293,20 @@ def test_stop_frees_memory_and_refuses_work(models):
         e.stream_generate("hello")
 
 
+class _CountingStore(SettingsStore):
+    reads = 0
+
+    def read(self):
+        self.reads += 1
+        return super().read()
+
+
 def test_pool_names_defaults_and_ttl(models, tmp_path):
     """oMLX's model_alias (the API's name; the id still works), is_default (the model of a
-    request naming none) and ttl_seconds (idle models unloaded; pinned or busy ones kept)."""
+    request naming none) and ttl_seconds (idle models unloaded; pinned or busy ones kept;
+    the settings file read once a check, however many models are loaded)."""
     root, _, _ = models
-    store = SettingsStore(tmp_path / "model_settings.json")
+    store = _CountingStore(tmp_path / "model_settings.json")
     pool = EnginePool(store, model_dir=root / "models", max_models=2)
     with pytest.raises(NoDefaultModel):
         pool.resolve(None)
@@ -310,8 +319,9 @@ def test_pool_names_defaults_and_ttl(models, tmp_path):
 
     async def scenario():
         tiny, other = await pool.get("tiny"), await pool.get("other")
-        now = tiny.last_used
+        now, store.reads = tiny.last_used, 0
         assert await pool.expire(now + 4) == []  # not idle long enough
+        assert store.reads == 1
         busy = tiny.stream_generate("hello", max_tokens=400, logit_bias=NO_EOS)
         await busy.__anext__()
         assert await pool.expire(tiny.last_used + 60) == []  # busy

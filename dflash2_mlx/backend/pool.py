@@ -132,8 +132,10 @@ class EnginePool:
         self._entries()
         return self.problem
 
-    def settings_of(self, model_id: str) -> ModelSettings:
-        raw = self._entries().get(model_id) or {}
+    def settings_of(self, model_id: str, entries: Optional[Dict[str, dict]] = None) -> ModelSettings:
+        """A model's settings as the file says now (``entries``: the file's models, when the
+        caller has just read them for several models)."""
+        raw = (self._entries() if entries is None else entries).get(model_id) or {}
         if not isinstance(raw, dict):
             raise SettingsError(f"settings of {model_id} must be a JSON object")
         raw = {**raw, **self.overrides.get(model_id, {})}
@@ -214,9 +216,10 @@ class EnginePool:
         now = time.monotonic() if now is None else now
         gone = []
         async with self._lock:
+            entries = self._entries() if self.engines else {}  # one read a tick, not one a model
             for model_id, engine in list(self.engines.items()):
                 try:
-                    s = self.settings_of(model_id)  # as the file says now
+                    s = self.settings_of(model_id, entries)
                 except SettingsError:
                     s = engine.settings
                 if (s.ttl_seconds and not s.is_pinned and not engine.has_active_requests()
