@@ -39,6 +39,7 @@ def serve(
     max_tokens: int = typer.Option(512, "--max-tokens", help="Default max_tokens when a request and the settings give none."),
     preload: bool = typer.Option(False, "--preload/--lazy", help="Load the --model models at start instead of on the first request."),
     prefix_cache_gb: float = typer.Option(1.0, "--prefix-cache-gb", help="Per model: most GB of prompt caches kept for reuse by later requests that share a prefix (0: off). A model's prefix_cache_gb setting overrides it."),
+    ssd_cache_dir: Optional[Path] = typer.Option(None, "--ssd-cache-dir", help="Where the prefix cache's disk tier keeps the entries memory lets go, for models whose settings turn on dflash_ssd_cache (default: ~/.cache/dflash2_mlx/ssd-cache; one directory per pair)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, help="Require Authorization: Bearer KEY on every route but /health (also from $DFLASH2_MLX_API_KEY)."),
     chat_template_args: Optional[str] = typer.Option(
         None, "--chat-template-args", help="Chat-template variables for every chat request as a JSON object, e.g. '{\"enable_thinking\": false}' (a model's settings and a request's chat_template_kwargs override them)."),
@@ -77,7 +78,7 @@ def serve(
                       max_models=max(max_models, 1), memory_budget_gb=memory_budget,
                       max_queue=queue_size, default_max_tokens=max_tokens,
                       prefix_cache_gb=prefix_cache_gb, max_batch=max_batch,
-                      chat_template_args=template_args)
+                      chat_template_args=template_args, ssd_cache_dir=ssd_cache_dir)
     try:  # a settings problem is one line now, not a traceback from the first load
         pool.store.read()
         for model_id in models if preload else ():

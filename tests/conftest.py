@@ -19,3 +19,15 @@ def _session_home(tmp_path_factory):
     patch.setenv("DFLASH2_MLX_HOME", str(session))
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def cache_pair(request, tmp_path_factory):
+    """A tiny target of each kind the prefix cache handles (attention only; hybrid, with
+    recurrent layers), its DFlash 2 drafter, and generate() on them (on the MLX worker)."""
+    from tiny_models import make_drafter, make_target, on_worker, worker_reference
+
+    root = tmp_path_factory.mktemp(request.param)
+    target = on_worker(make_target, root / "target", request.param, scale=4.0)
+    drafter = on_worker(make_drafter, root / "drafter", target)
+    return target, drafter, worker_reference(target, drafter)

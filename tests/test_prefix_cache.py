@@ -8,7 +8,7 @@ import pytest
 
 from dflash2_mlx.backend.engine import Engine
 from dflash2_mlx.backend.settings import ModelSettings
-from tiny_models import make_drafter, make_target, on_worker, worker_reference
+from tiny_models import make_target, on_worker
 
 NO_EOS = {1: -100.0}
 # The tiny qwen3_5 tokenizer (transformers' Qwen3_5Tokenizer over the char vocabulary) decodes
@@ -16,14 +16,6 @@ NO_EOS = {1: -100.0}
 # verbatim in the next prompt; chats leave it out so turn 1's reply can be reused whole.
 CHAT_BIAS = {**NO_EOS, 29: -100.0}
 LARGEST_BLOCK = 8  # the tiny drafter's block size
-
-
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
-def pair(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    target = on_worker(make_target, root / "target", request.param, scale=4.0)
-    drafter = on_worker(make_drafter, root / "drafter", target)
-    return target, drafter, worker_reference(target, drafter)
 
 
 ENGINES = {  # settings -> the reference generate() options
@@ -48,8 +40,8 @@ def chat_turns(engine, turns, **options):
 
 
 @pytest.mark.parametrize("kind", list(ENGINES))
-def test_chat_turns_reuse_the_cache_and_match_generate(pair, kind):
-    target, drafter, reference = pair
+def test_chat_turns_reuse_the_cache_and_match_generate(cache_pair, kind):
+    target, drafter, reference = cache_pair
     settings, ref_options = ENGINES[kind]
     engine = Engine(target, ModelSettings(dflash_draft_model=str(drafter), **settings), model_id="t")
     asyncio.run(engine.start())
@@ -81,8 +73,8 @@ def _bias(bias):
     return {"logits_processors": make_logits_processors(logit_bias=bias)}
 
 
-def test_same_prompt_twice_and_budget(pair):
-    target, drafter, reference = pair
+def test_same_prompt_twice_and_budget(cache_pair):
+    target, drafter, reference = cache_pair
     # A fixed block size: an entry keeps the rows its request's last cycle left, and adaptive
     # block sizes follow the machine's timing, which would make the budget arithmetic below
     # depend on it.
@@ -148,12 +140,12 @@ def test_hybrid_turn_end_is_the_last_step_with_only_known_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("prefix_cache_gb", [1.0, 0.0])
-def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(pair, prefix_cache_gb):
+def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(cache_pair, prefix_cache_gb):
     """Alone, a request runs as a single stream (no batch step); when a second one asks
     to join, the first goes on in the batch after its tokens (its caches through the prefix
     cache, or its own where that is off): each text is still generate()'s, token counts and
     draft statistics run on across the handover."""
-    target, drafter, reference = pair
+    target, drafter, reference = cache_pair
     e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)),
                model_id="tiny", max_batch=4, prefix_cache_gb=prefix_cache_gb)
     asyncio.run(e.start())
@@ -189,10 +181,10 @@ def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(
     assert stats["requests"] == 3 and stats["generation_tokens"] == 12 + 120 + 20
 
 
-def test_omlx_cache_and_window_settings(pair):
+def test_omlx_cache_and_window_settings(cache_pair):
     """oMLX's names: dflash_in_memory_cache false turns the prefix cache off, its
     max_entries keeps that many entries; a draft window with sinks keeps the text exact."""
-    target, drafter, reference = pair
+    target, drafter, reference = cache_pair
     base = dict(dflash_enabled=True, dflash_draft_model=str(drafter), dflash_block_size=4)
     off = Engine(target, ModelSettings(**base, dflash_in_memory_cache=False), model_id="t")
     assert not off.prefix_cache.enabled

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 from .prefix_cache import PrefixCache
+from .ssd_cache import DiskTier, default_ssd_cache_dir, pair_dir
 from .settings import ModelSettings, first_set
 from .stats import EngineStats
 from .stops import StopMatcher
@@ -270,7 +271,7 @@ class Engine:
                  draft: Optional[str] = None, model_id: Optional[str] = None,
                  max_queue: int = 8, default_max_tokens: int = 512, worker=None,
                  prefix_cache_gb: float = 1.0, max_batch: int = 8,
-                 chat_template_args: Optional[dict] = None):
+                 chat_template_args: Optional[dict] = None, ssd_cache_dir=None):
         self.model_path = str(model_path)
         self.chat_template_args = dict(chat_template_args or {})  # template variables by default
         self.settings = settings or ModelSettings()
@@ -296,6 +297,8 @@ class Engine:
         self._stats = EngineStats()
         self.prefix_cache_gb = prefix_cache_gb  # the server's, where the settings give none
         self.prefix_cache = PrefixCache(0)
+        self.ssd_cache_dir = Path(ssd_cache_dir).expanduser() if ssd_cache_dir else default_ssd_cache_dir()
+        self._pair_dir: Optional[Path] = None  # this pair's disk-tier directory (set at load)
         self.update_settings(self.settings)  # sizes the prefix cache
         self._stopping = False
         self.last_used = time.monotonic()
@@ -312,6 +315,17 @@ class Engine:
         self.settings = settings
         self.prefix_cache.budget = settings.prefix_cache_bytes(self.prefix_cache_gb)
         self.prefix_cache.max_entries = settings.dflash_in_memory_cache_max_entries
+        self._sync_disk()
+
+    def _sync_disk(self):
+        """The prefix cache's disk tier as the settings say (once the pair is loaded)."""
+        size, disk = self.settings.ssd_cache_bytes(), self.prefix_cache.disk
+        if not size or self._pair_dir is None:
+            self.prefix_cache.disk = None
+        elif disk is None or disk.root != self._pair_dir:
+            self.prefix_cache.disk = DiskTier(self._pair_dir, size)
+        else:
+            disk.resize(size)
 
     async def start(self):
         """Load the target and drafter on the worker thread (a no-op when running)."""
@@ -323,8 +337,11 @@ class Engine:
 
     def _load(self):
         from ..generate import check_block_size, load
+        from ..loading import resolve
 
-        model, tokenizer, drafter = load(self.model_path, self.settings.draft,
+        target_dir = resolve(self.model_path)
+        draft_dir = resolve(self.settings.draft) if self.settings.draft else None
+        model, tokenizer, drafter = load(str(target_dir), draft_dir and str(draft_dir),
                                          **self.settings.load_kwargs())
         if drafter is not None and self.settings.dflash_block_size is not None:
             check_block_size(drafter, self.settings.dflash_block_size)
@@ -332,6 +349,8 @@ class Engine:
         self._batchable = drafter is not None and _batchable(model, drafter)
         self.context_window = self.settings.max_context_window or _config_value(model, "max_position_embeddings")
         self.vocab_size = _config_value(model, "vocab_size")
+        self._pair_dir = pair_dir(self.ssd_cache_dir, target_dir, draft_dir, self.settings.load_kwargs())
+        self._sync_disk()
 
     async def stop(self):
         """Abort every request, wait for the worker to let go, and free the models."""
@@ -349,7 +368,8 @@ class Engine:
         import mlx.core as mx
 
         self._model = self._drafter = None
-        self.prefix_cache.clear()
+        self.prefix_cache.close()  # to the disk tier, if there is one
+        self.prefix_cache.disk, self._pair_dir = None, None
         gc.collect()
         mx.clear_cache()
 

@@ -58,8 +58,9 @@ class EnginePool:
                  models: Optional[Dict[str, str]] = None, overrides: Optional[Dict[str, dict]] = None,
                  max_models: int = 1, memory_budget_gb: Optional[float] = None,
                  max_queue: int = 8, default_max_tokens: int = 512, prefix_cache_gb: float = 1.0,
-                 max_batch: int = 8, chat_template_args: Optional[dict] = None):
+                 max_batch: int = 8, chat_template_args: Optional[dict] = None, ssd_cache_dir=None):
         self.store = store or SettingsStore()
+        self.ssd_cache_dir = ssd_cache_dir
         self.chat_template_args = dict(chat_template_args or {})
         self.model_dir = Path(model_dir).expanduser() if model_dir else None
         self.models = dict(models or {})
@@ -165,7 +166,7 @@ class EnginePool:
             engine = Engine(path, settings, model_id=model_id, max_queue=self.max_queue,
                             default_max_tokens=self.default_max_tokens,
                             prefix_cache_gb=self.prefix_cache_gb, max_batch=self.max_batch,
-                            chat_template_args=self.chat_template_args)
+                            chat_template_args=self.chat_template_args, ssd_cache_dir=self.ssd_cache_dir)
             await engine.start()
             self.engines[model_id] = engine
             return engine

@@ -14,8 +14,8 @@ A plain request can reuse a DFlash entry's target part; a DFlash request needs t
 At least the prompt's last token is always run, so the first token comes from fresh logits.
 
 Entries live in one model's engine, least recently used first out, within ``budget`` bytes
-(and ``max_entries``, if set).
-Everything here runs on the MLX worker thread.
+(and ``max_entries``, if set); with a ``disk`` tier (``ssd_cache.py``) those let go are kept
+there.  Everything here runs on the MLX worker thread.
 """
 
 import collections
@@ -62,6 +62,23 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def reuse_length(tokens: tuple, has_draft: bool, trimmable: bool, ids: Sequence[int], draft: bool) -> int:
+    """How many of ``ids`` an entry over ``tokens`` can start (0: none).  The prompt's last
+    token always runs; a DFlash request needs the draft rows; an untrimmable (recurrent)
+    entry serves only prompts that start with all of it."""
+    if draft and not has_draft:
+        return 0
+    n = min(_common(tokens, ids), len(ids) - 1)
+    return n if trimmable or n == len(tokens) else 0
+
+
+def covers(tokens: tuple, has_draft: bool, trimmable: bool, old_tokens: tuple, old_has_draft: bool) -> bool:
+    """Whether a new entry makes an old one useless: same tokens first, draft rows if the old
+    one had them (an untrimmable new entry covers only the very same tokens)."""
+    return (old_tokens == tokens[: len(old_tokens)] and (has_draft or not old_has_draft)
+            and (trimmable or old_tokens == tokens))
+
+
 def _recurrent(cache) -> list:
     """The recurrent states of ``cache`` (None for attention layers). The models replace
     these arrays at each step rather than write into them, so references are a snapshot:
@@ -87,40 +104,56 @@ def _load_rows(c: KVCache, rows, n: int):
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, max_entries: Optional[int] = None):
+    def __init__(self, budget_bytes: int, max_entries: Optional[int] = None, disk=None):
         self.budget = int(budget_bytes)
         self.max_entries = max_entries  # None: as many as the budget holds
+        self.disk = disk  # a DiskTier for what memory lets go, or None
         self.entries: "collections.OrderedDict[int, Entry]" = collections.OrderedDict()
         self._keys = iter(range(1 << 62))
         self._lock = threading.Lock()  # stats() is read from the event loop
-        self.hits = self.misses = self.cached_tokens = 0
+        self.hits = self.misses = self.cached_tokens = self.disk_hits = 0
 
     @property
     def enabled(self) -> bool:
-        return self.budget > 0
+        return self.budget > 0 or self.disk is not None
 
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
     def stats(self) -> dict:
+        disk = self.disk
+        ssd = disk.stats() if disk is not None else dict.fromkeys(
+            ("prefix_cache_ssd_entries", "prefix_cache_ssd_bytes", "prefix_cache_ssd_budget_bytes"), 0)
         with self._lock:
             return {"prefix_cache_hits": self.hits, "prefix_cache_misses": self.misses,
                     "prefix_cache_cached_tokens": self.cached_tokens,
                     "prefix_cache_entries": len(self.entries), "prefix_cache_bytes": self.nbytes,
-                    "prefix_cache_budget_bytes": self.budget}
+                    "prefix_cache_budget_bytes": self.budget, "prefix_cache_ssd_hits": self.disk_hits, **ssd}
 
     # Reuse -----------------------------------------------------------------------------
     def _best(self, ids: Sequence[int], draft: bool):
+        """The entry to start ``ids`` from, (entry, tokens) or (None, 0): the memory tier's
+        best, or the disk tier's when that shares more (read back, and moved into memory)."""
         best, best_n = None, 0
         for key, e in self.entries.items():
-            if draft and e.draft is None:
-                continue
-            n = min(_common(e.tokens, ids), len(ids) - 1)
-            if not e.trimmable and n < len(e.tokens):
-                continue
+            n = reuse_length(e.tokens, e.draft is not None, e.trimmable, ids, draft)
             if n > best_n:
                 best, best_n = key, n
+        if best is not None:
+            with self._lock:
+                self.entries.move_to_end(best)
+            best = self.entries[best]
+        disk = self.disk
+        name, n = disk.best(ids, draft) if disk is not None else (None, 0)
+        if n > best_n:
+            entry = disk.load(name)
+            if entry is not None:
+                with self._lock:
+                    self.disk_hits += 1
+                if self._keep(entry):
+                    disk.remove(name)
+                best, best_n = entry, n
         return best, best_n
 
     def start(self, ids: Sequence[int], model, drafter=None, window=None, reuse: bool = True,
@@ -134,15 +167,13 @@ class PrefixCache:
         context = DraftContext(drafter, window, sink) if drafter is not None else None
         if not self.enabled or not reusable(cache):
             return Start(cache, context)
-        key, n = self._best(ids, context is not None) if reuse else (None, 0)
+        entry, n = self._best(ids, context is not None) if reuse else (None, 0)
         with self._lock:
-            self.hits += key is not None
-            self.misses += key is None
+            self.hits += entry is not None
+            self.misses += entry is None
             self.cached_tokens += n
-        if key is not None:
-            with self._lock:
-                self.entries.move_to_end(key)
-            self._restore(self.entries[key], n, cache, context)
+        if entry is not None:
+            self._restore(entry, n, cache, context)
         start = Start(cache, context, n, n)
         if not all(c.is_trimmable() for c in cache):
             if start.tokens < len(ids) - 1:
@@ -214,21 +245,39 @@ class PrefixCache:
         arrays = [a for pair in target + (draft or []) for a in _flat(pair)]
         mx.eval(arrays)
         entry = Entry(tuple(tokens[:n]), target, draft, trimmable, sum(a.nbytes for a in arrays))
+        disk = self.disk  # settings may change it from another thread
+        if not self._keep(entry) and disk is not None:
+            disk.put(entry)
+
+    def _keep(self, entry: Entry) -> bool:
+        """Put ``entry`` in memory (entries it covers go; the oldest go to disk while over the
+        budget); False when it does not fit there at all."""
         if entry.nbytes > self.budget:
-            return
+            return False
+        gone, disk = [], self.disk
         with self._lock:
             for key, e in list(self.entries.items()):
-                # An entry this one covers (same tokens first, draft rows if it had them) goes.
-                if (e.tokens == entry.tokens[: len(e.tokens)] and (entry.draft is not None or e.draft is None)
-                        and (trimmable or e.tokens == entry.tokens)):
+                if covers(entry.tokens, entry.draft is not None, entry.trimmable, e.tokens, e.draft is not None):
                     del self.entries[key]
             self.entries[next(self._keys)] = entry
             while self.nbytes > self.budget or len(self.entries) > (self.max_entries or len(self.entries)):
-                self.entries.popitem(last=False)
+                gone.append(self.entries.popitem(last=False)[1])
+        for e in gone if disk is not None else ():
+            disk.put(e)
+        return True
 
     def clear(self):
         with self._lock:
             self.entries.clear()
+
+    def close(self):
+        """Let every entry go: to the disk tier, if there is one, oldest first."""
+        disk = self.disk
+        with self._lock:
+            entries = list(self.entries.values())
+            self.entries.clear()
+        for e in entries if disk is not None else ():
+            disk.put(e)
 
 
 def _flat(pair) -> List[mx.array]:

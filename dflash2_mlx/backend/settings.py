@@ -25,6 +25,7 @@ SETTINGS_ENV = "DFLASH2_MLX_SETTINGS"
 DEFAULT_SETTINGS = Path("~/.dflash2-mlx/model_settings.json")
 VERIFY_MODES = ("dflash", "adaptive", "off")
 FUTURE_VERIFY_MODES = ("ddtree",)  # oMLX's other modes: not implemented here yet
+DEFAULT_SSD_CACHE_BYTES = 10 * 10**9
 
 
 class SettingsError(ValueError):
@@ -73,6 +74,8 @@ FIELDS = {
     "dflash_in_memory_cache": (_bool, "true or false"),
     "dflash_in_memory_cache_max_bytes": (lambda v: _int(v, lo=0), "an integer >= 0 (bytes)"),
     "dflash_in_memory_cache_max_entries": (lambda v: _int(v, lo=1), "an integer >= 1"),
+    "dflash_ssd_cache": (_bool, "true or false"),
+    "dflash_ssd_cache_max_bytes": (lambda v: _int(v, lo=0), "an integer >= 0 (bytes)"),
     "max_context_window": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "max_tokens": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "temperature": (lambda v: _num(v, lo=0), "a number >= 0"),
@@ -135,6 +138,8 @@ class ModelSettings:
     dflash_in_memory_cache: Optional[bool] = None
     dflash_in_memory_cache_max_bytes: Optional[int] = None
     dflash_in_memory_cache_max_entries: Optional[int] = None
+    dflash_ssd_cache: Optional[bool] = None  # the prefix cache's disk tier (ssd_cache.py)
+    dflash_ssd_cache_max_bytes: Optional[int] = None
     max_context_window: Optional[int] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -219,6 +224,13 @@ class ModelSettings:
         if self.dflash_in_memory_cache is False:
             return 0
         return first_set(self.dflash_in_memory_cache_max_bytes, int(default_gb * 1e9))
+
+    def ssd_cache_bytes(self) -> int:
+        """The prefix cache's disk budget: ``dflash_ssd_cache_max_bytes`` (default
+        DEFAULT_SSD_CACHE_BYTES) when ``dflash_ssd_cache`` is on, else 0 (no disk tier)."""
+        if not self.dflash_ssd_cache:
+            return 0
+        return first_set(self.dflash_ssd_cache_max_bytes, DEFAULT_SSD_CACHE_BYTES)
 
     def load_kwargs(self) -> dict:
         """Keyword arguments of ``dflash2_mlx.load`` for the drafter."""

@@ -1,0 +1,212 @@
+"""The prefix cache's second tier: entries the memory tier lets go, kept on disk (oMLX's
+``dflash_ssd_cache`` and ``dflash_ssd_cache_max_bytes``).
+
+An entry goes to disk when the memory tier evicts it, when it is larger than the memory
+tier's budget (or that tier is off), and when its engine unloads, so a model unloaded for
+idling or a restarted server starts from its earlier prompts.  A request that shares a
+longer prefix with an entry on disk than with any in memory restores it from the file,
+which then moves back into memory if it fits there.
+
+Each pair (the target's and the drafter's files, and how the drafter is loaded) has its own
+directory: an entry is only ever restored into the models that made it.  Files are
+safetensors, data and never code; on start-up only their token ids and layout are read
+(an unreadable file is deleted: it is a cache); arrays are read when an entry is restored.
+Within ``budget`` bytes, the least recently written or used files go first.
+"""
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from .prefix_cache import Entry, covers, reuse_length
+
+log = logging.getLogger("dflash2_mlx.serve")
+
+FORMAT = "dflash2-prefix-1"
+
+
+def default_ssd_cache_dir() -> Path:
+    """Where pairs' directories go unless ``serve --ssd-cache-dir`` says otherwise."""
+    from ..smollm2 import cache_home
+
+    return cache_home() / "ssd-cache"
+
+
+def pair_dir(root, target_dir, draft_dir, load_kwargs: dict) -> Path:
+    """The directory of one pair's entries under ``root``: named by the pair's files (path,
+    size and modification time of each config and weight file) and load options."""
+    def files(d):
+        d = Path(d).resolve()
+        return [str(d)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(d.iterdir())
+                           if f.suffix == ".safetensors" or f.name == "config.json"]
+    key = {"format": FORMAT, "target": files(target_dir),
+           "drafter": files(draft_dir) if draft_dir is not None else None,
+           "load": sorted([k, str(v)] for k, v in load_kwargs.items())}
+    return Path(root).expanduser() / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+
+
+@dataclass
+class Spilled:
+    """An entry on disk, as the index knows it."""
+    tokens: tuple
+    draft: bool
+    trimmable: bool
+    nbytes: int
+
+
+def _arrays(entry: Entry):
+    """The arrays and metadata of an entry's file."""
+    arrays = {"tokens": mx.array(entry.tokens, dtype=mx.uint32)}
+    layout = []
+    for i, (first, second) in enumerate(entry.target):
+        if isinstance(first, list):  # recurrent layer: (arrays, lengths)
+            present = [j for j, a in enumerate(first) if a is not None]
+            arrays.update({f"t{i}.{j}": first[j] for j in present})
+            if second is not None:
+                arrays[f"t{i}.lengths"] = second
+            layout.append({"arrays": len(first), "present": present, "lengths": second is not None})
+        else:
+            arrays[f"t{i}.k"], arrays[f"t{i}.v"] = first, second
+            layout.append("kv")
+    for i, (k, v) in enumerate(entry.draft or []):
+        arrays[f"d{i}.k"], arrays[f"d{i}.v"] = k, v
+    meta = {"format": FORMAT, "target": json.dumps(layout), "trimmable": str(int(entry.trimmable)),
+            "draft": str(len(entry.draft)) if entry.draft is not None else "none"}
+    return arrays, meta
+
+
+def _entry(arrays: dict, meta: dict) -> Entry:
+    """An entry from its file's arrays and metadata (KeyError/ValueError if they do not fit)."""
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"format {meta.get('format')!r}")
+    target = []
+    for i, kind in enumerate(json.loads(meta["target"])):
+        if kind == "kv":
+            target.append((arrays[f"t{i}.k"], arrays[f"t{i}.v"]))
+        else:
+            first = [arrays[f"t{i}.{j}"] if j in kind["present"] else None for j in range(kind["arrays"])]
+            target.append((first, arrays[f"t{i}.lengths"] if kind["lengths"] else None))
+    draft = None if meta["draft"] == "none" else [(arrays[f"d{i}.k"], arrays[f"d{i}.v"])
+                                                  for i in range(int(meta["draft"]))]
+    nbytes = sum(a.nbytes for k, a in arrays.items() if k != "tokens")
+    return Entry(tuple(arrays["tokens"].tolist()), target, draft, meta["trimmable"] == "1", nbytes)
+
+
+class DiskTier:
+    def __init__(self, root, budget_bytes: int):
+        self.root = Path(root)
+        self.budget = int(budget_bytes)
+        self.entries: "collections.OrderedDict[str, Spilled]" = collections.OrderedDict()  # oldest first
+        self._lock = threading.Lock()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.entries.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"prefix_cache_ssd_entries": len(self.entries), "prefix_cache_ssd_bytes": self.nbytes,
+                    "prefix_cache_ssd_budget_bytes": self.budget}
+
+    def _path(self, name: str) -> Path:
+        return self.root / f"{name}.safetensors"
+
+    def _scan(self):
+        from safetensors import safe_open
+
+        files = sorted(self.root.glob("*.safetensors"), key=lambda f: f.stat().st_mtime_ns)
+        for f in files:
+            try:
+                with safe_open(str(f), framework="numpy") as st:
+                    meta = st.metadata() or {}
+                    if meta.get("format") != FORMAT:
+                        raise ValueError(f"format {meta.get('format')!r}")
+                    tokens = tuple(int(t) for t in st.get_tensor("tokens"))
+                self.entries[f.stem] = Spilled(tokens, meta["draft"] != "none", meta["trimmable"] == "1",
+                                               f.stat().st_size)
+            except Exception as e:  # a cache: a file it cannot read goes
+                log.warning("prefix cache: dropping unreadable %s (%s)", f, e)
+                f.unlink(missing_ok=True)
+        self._fit()
+
+    def best(self, ids: Sequence[int], draft: bool):
+        """The entry sharing the longest usable prefix with ``ids``: (name, tokens) or (None, 0)."""
+        best, best_n = None, 0
+        with self._lock:
+            for name, s in self.entries.items():
+                n = reuse_length(s.tokens, s.draft, s.trimmable, ids, draft)
+                if n > best_n:
+                    best, best_n = name, n
+        return best, best_n
+
+    def put(self, entry: Entry):
+        """Write ``entry`` (entries it covers go); the oldest files go while over budget."""
+        if entry.nbytes > self.budget:
+            return
+        arrays, meta = _arrays(entry)
+        name = hashlib.sha256(repr((entry.tokens, entry.draft is not None, entry.trimmable)).encode()).hexdigest()[:32]
+        tmp = self.root / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp.safetensors"
+        try:
+            mx.save_safetensors(str(tmp), arrays, metadata=meta)
+            os.replace(tmp, self._path(name))
+        except OSError as e:
+            log.warning("prefix cache: could not write to %s (%s)", self.root, e)
+            tmp.unlink(missing_ok=True)
+            return
+        with self._lock:
+            for old, s in list(self.entries.items()):
+                if old != name and covers(entry.tokens, entry.draft is not None, entry.trimmable, s.tokens, s.draft):
+                    self._drop(old)
+            self.entries.pop(name, None)
+            self.entries[name] = Spilled(entry.tokens, entry.draft is not None, entry.trimmable,
+                                         self._path(name).stat().st_size)
+            self._fit()
+
+    def load(self, name: str) -> Optional[Entry]:
+        """The entry ``name`` read back (None, and the file gone, if it cannot be read)."""
+        path = self._path(name)
+        if not path.exists():  # taken by another server sharing the directory
+            self.remove(name)
+            return None
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+            entry = _entry(arrays, meta)
+            mx.eval(list(arrays.values()))
+        except Exception as e:
+            log.warning("prefix cache: dropping unreadable %s (%s)", path, e)
+            with self._lock:
+                self._drop(name)
+            return None
+        with self._lock:
+            if name in self.entries:
+                self.entries.move_to_end(name)
+        if path.exists():
+            os.utime(path)  # recently used: the last to go
+        return entry
+
+    def remove(self, name: str):
+        with self._lock:
+            self._drop(name)
+
+    def resize(self, budget_bytes: int):
+        with self._lock:
+            self.budget = int(budget_bytes)
+            self._fit()
+
+    def _drop(self, name: str):
+        self.entries.pop(name, None)
+        self._path(name).unlink(missing_ok=True)
+
+    def _fit(self):
+        while self.entries and self.nbytes > self.budget:
+            self._drop(next(iter(self.entries)))

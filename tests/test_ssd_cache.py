@@ -1,0 +1,138 @@
+"""The prefix cache's disk tier (oMLX's dflash_ssd_cache), in-process on tiny real models:
+entries memory lets go are restored from disk with exactly the text of a run without them
+(greedy), after the engine restarts too; a pair only reads its own entries; unreadable files
+are dropped, never trusted; the disk stays within its budget."""
+
+import asyncio
+import logging
+from dataclasses import replace
+
+import pytest
+
+from dflash2_mlx.backend.engine import Engine
+from dflash2_mlx.backend.settings import ModelSettings, SettingsError
+from tiny_models import make_drafter, on_worker
+
+NO_EOS = {1: -100.0}
+
+
+def _engine(target, drafter, disk, **settings):
+    base = dict(dflash_enabled=True, dflash_draft_model=str(drafter), dflash_block_size=4, dflash_ssd_cache=True)
+    engine = Engine(target, ModelSettings(**{**base, **settings}), model_id="t", ssd_cache_dir=disk)
+    asyncio.run(engine.start())
+    return engine
+
+
+def _run(engine, prompt, max_tokens=12):
+    return asyncio.run(engine.generate(prompt, max_tokens=max_tokens, logit_bias=NO_EOS))
+
+
+def _reference(reference, prompt, max_tokens=12):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    return reference(prompt, max_tokens=max_tokens, block_size=4,
+                     logits_processors=make_logits_processors(logit_bias=NO_EOS))
+
+
+def test_memory_off_entries_go_to_disk_and_come_back(cache_pair, tmp_path):
+    """With the memory tier off every entry is written to disk; a prompt extending an earlier
+    turn starts from it and gives the text of a fresh run."""
+    target, drafter, reference = cache_pair
+    engine = _engine(target, drafter, tmp_path, dflash_in_memory_cache=False)
+    try:
+        a = _run(engine, "tell me a story")
+        stats = engine.get_stats()
+        assert stats["prefix_cache_entries"] == 0 and stats["prefix_cache_ssd_entries"] >= 1
+        assert 0 < stats["prefix_cache_ssd_bytes"] <= stats["prefix_cache_ssd_budget_bytes"]
+        prompt = "tell me a story" + a.text + " and more"
+        b = _run(engine, prompt)
+        assert b.cached_tokens > 0 and engine.get_stats()["prefix_cache_ssd_hits"] == 1
+        assert a.text == _reference(reference, "tell me a story")
+        assert b.text == _reference(reference, prompt)
+        assert engine.get_stats()["prefix_cache_entries"] == 0  # read back, not kept in memory
+    finally:
+        asyncio.run(engine.stop())
+
+
+def test_entries_outlive_the_engine_and_only_their_pair_reads_them(cache_pair, tmp_path):
+    """An engine that stops writes its memory entries to disk; a new engine over the same
+    pair starts from them, one with another drafter does not see them."""
+    target, drafter, reference = cache_pair
+    first = _engine(target, drafter, tmp_path)
+    try:
+        a = _run(first, "hello world")
+        assert first.get_stats()["prefix_cache_entries"] >= 1
+        assert first.get_stats()["prefix_cache_ssd_entries"] == 0  # memory holds it until the end
+    finally:
+        asyncio.run(first.stop())
+    other_drafter = on_worker(make_drafter, tmp_path / "other-drafter", target, seed=5)
+    other = _engine(target, other_drafter, tmp_path)
+    try:
+        assert other.get_stats()["prefix_cache_ssd_entries"] == 0
+        assert _run(other, "hello world").cached_tokens == 0
+    finally:
+        asyncio.run(other.stop())
+    again = _engine(target, drafter, tmp_path)
+    try:
+        assert again.get_stats()["prefix_cache_ssd_entries"] >= 1
+        b = _run(again, "hello world")
+        assert b.cached_tokens > 0 and again.get_stats()["prefix_cache_ssd_hits"] == 1
+        assert a.text == b.text == _reference(reference, "hello world")
+        assert again.get_stats()["prefix_cache_entries"] >= 1  # back in memory, where it fits
+    finally:
+        asyncio.run(again.stop())
+
+
+def test_unreadable_files_are_dropped_not_trusted(cache_pair, tmp_path, caplog):
+    target, drafter, reference = cache_pair
+    engine = _engine(target, drafter, tmp_path, dflash_in_memory_cache=False)
+    try:
+        _run(engine, "zebra quiz")
+        disk = engine.prefix_cache.disk
+        files = sorted(disk.root.glob("*.safetensors"))
+        assert files
+    finally:
+        asyncio.run(engine.stop())
+    (disk.root / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with caplog.at_level(logging.WARNING, logger="dflash2_mlx.serve"):
+        engine = _engine(target, drafter, tmp_path, dflash_in_memory_cache=False)
+    try:
+        assert "junk.safetensors" in caplog.text and not (disk.root / "junk.safetensors").exists()
+        assert engine.get_stats()["prefix_cache_ssd_entries"] == len(files)
+        for f in files:  # cut short after start-up: noticed only when restored
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        c = _run(engine, "zebra quiz")
+        assert c.cached_tokens == 0 and c.text == _reference(reference, "zebra quiz")
+        assert engine.get_stats()["prefix_cache_ssd_hits"] == 0 and "dropping unreadable" in caplog.text
+        assert _run(engine, "zebra quiz").cached_tokens > 0  # the request wrote a good entry again
+    finally:
+        asyncio.run(engine.stop())
+
+
+def test_the_disk_stays_within_its_budget(cache_pair, tmp_path):
+    target, drafter, _ = cache_pair
+    engine = _engine(target, drafter, tmp_path, dflash_in_memory_cache=False)
+    try:
+        _run(engine, "hello world")
+        one = engine.get_stats()["prefix_cache_ssd_bytes"]
+        engine.update_settings(replace(engine.settings, dflash_ssd_cache_max_bytes=one * 2))
+        for prompt in ("zebra quiz", "the sea and the sky", "cats and dogs"):
+            _run(engine, prompt)
+            stats = engine.get_stats()
+            assert 0 < stats["prefix_cache_ssd_bytes"] <= one * 2 == stats["prefix_cache_ssd_budget_bytes"]
+        assert len(list(engine.prefix_cache.disk.root.glob("*.safetensors"))) == stats["prefix_cache_ssd_entries"]
+        assert _run(engine, "cats and dogs").cached_tokens > 0  # the newest stays
+        assert _run(engine, "hello world").cached_tokens == 0  # the oldest went
+        engine.update_settings(replace(engine.settings, dflash_ssd_cache=False))
+        assert engine.prefix_cache.disk is None and not engine.prefix_cache.enabled
+    finally:
+        asyncio.run(engine.stop())
+
+
+def test_ssd_settings_are_validated():
+    with pytest.raises(SettingsError, match="dflash_ssd_cache must be true or false"):
+        ModelSettings.from_dict({"dflash_ssd_cache": "yes"})
+    with pytest.raises(SettingsError, match="dflash_ssd_cache_max_bytes"):
+        ModelSettings.from_dict({"dflash_ssd_cache": True, "dflash_ssd_cache_max_bytes": -1})
+    assert ModelSettings.from_dict({"dflash_ssd_cache_max_bytes": 5}).ssd_cache_bytes() == 0
+    assert ModelSettings.from_dict({"dflash_ssd_cache": True, "dflash_ssd_cache_max_bytes": 5}).ssd_cache_bytes() == 5
