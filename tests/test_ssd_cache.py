@@ -136,3 +136,28 @@ def test_ssd_settings_are_validated():
         ModelSettings.from_dict({"dflash_ssd_cache": True, "dflash_ssd_cache_max_bytes": -1})
     assert ModelSettings.from_dict({"dflash_ssd_cache_max_bytes": 5}).ssd_cache_bytes() == 0
     assert ModelSettings.from_dict({"dflash_ssd_cache": True, "dflash_ssd_cache_max_bytes": 5}).ssd_cache_bytes() == 5
+
+
+def test_the_pool_puts_each_pair_under_the_servers_directory(cache_pair, tmp_path):
+    """`serve --ssd-cache-dir` reaches the engines the pool loads; the settings file turns
+    the tier on per model."""
+    from dflash2_mlx.backend.pool import EnginePool
+    from dflash2_mlx.backend.settings import SettingsStore
+
+    target, drafter, _ = cache_pair
+    store = SettingsStore(tmp_path / "model_settings.json")
+    store.set("t", dflash_enabled=True, dflash_draft_model=str(drafter), dflash_ssd_cache=True,
+              dflash_ssd_cache_max_bytes=10**8)
+    store.set("plain", dflash_ssd_cache=False)
+    pool = EnginePool(store, models={"t": str(target), "plain": str(target)}, max_models=2,
+                      ssd_cache_dir=tmp_path / "ssd")
+
+    async def scenario():
+        t, plain = await pool.get("t"), await pool.get("plain")
+        try:
+            return t.prefix_cache.disk, plain.prefix_cache.disk
+        finally:
+            await pool.stop()
+
+    disk, none = asyncio.run(scenario())
+    assert none is None and disk.root.parent == tmp_path / "ssd" and disk.budget == 10**8
