@@ -161,3 +161,15 @@ def test_the_pool_puts_each_pair_under_the_servers_directory(cache_pair, tmp_pat
 
     disk, none = asyncio.run(scenario())
     assert none is None and disk.root.parent == tmp_path / "ssd" and disk.budget == 10**8
+
+
+def test_a_disk_tier_that_cannot_be_made_leaves_the_model_serving(cache_pair, tmp_path, caplog):
+    target, drafter, reference = cache_pair
+    (tmp_path / "file").write_text("not a directory")
+    with caplog.at_level(logging.ERROR, logger="dflash2_mlx.engine"):
+        engine = _engine(target, drafter, tmp_path / "file")
+    try:
+        assert engine.prefix_cache.disk is None and "no disk tier" in caplog.text
+        assert _run(engine, "hello world").text == _reference(reference, "hello world")
+    finally:
+        asyncio.run(engine.stop())

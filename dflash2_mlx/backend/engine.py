@@ -323,7 +323,11 @@ class Engine:
         if not size or self._pair_dir is None:
             self.prefix_cache.disk = None
         elif disk is None or disk.root != self._pair_dir:
-            self.prefix_cache.disk = DiskTier(self._pair_dir, size)
+            try:
+                self.prefix_cache.disk = DiskTier(self._pair_dir, size)
+            except OSError as e:  # the model still serves, from memory only
+                log.error("prefix cache: no disk tier at %s (%s)", self._pair_dir, e)
+                self.prefix_cache.disk = None
         else:
             disk.resize(size)
 

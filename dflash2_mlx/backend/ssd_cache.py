@@ -124,7 +124,8 @@ class DiskTier:
     def _scan(self):
         from safetensors import safe_open
 
-        files = sorted(self.root.glob("*.safetensors"), key=lambda f: f.stat().st_mtime_ns)
+        files = sorted((f for f in self.root.glob("*.safetensors") if not f.name.startswith(".")),
+                       key=lambda f: f.stat().st_mtime_ns)  # (dot files: another writer's, unfinished)
         for f in files:
             try:
                 with safe_open(str(f), framework="numpy") as st:
