@@ -160,7 +160,7 @@ class DiskTier:
         try:
             mx.save_safetensors(str(tmp), arrays, metadata=meta)
             os.replace(tmp, self._path(name))
-        except OSError as e:
+        except Exception as e:  # a full disk, a removed directory: the request goes on
             log.warning("prefix cache: could not write to %s (%s)", self.root, e)
             tmp.unlink(missing_ok=True)
             return
