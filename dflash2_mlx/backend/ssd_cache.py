@@ -159,6 +159,7 @@ class DiskTier:
         tmp = self.root / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp.safetensors"
         try:
             mx.save_safetensors(str(tmp), arrays, metadata=meta)
+            size = tmp.stat().st_size
             os.replace(tmp, self._path(name))
         except Exception as e:  # a full disk, a removed directory: the request goes on
             log.warning("prefix cache: could not write to %s (%s)", self.root, e)
@@ -169,8 +170,7 @@ class DiskTier:
                 if old != name and covers(entry.tokens, entry.draft is not None, entry.trimmable, s.tokens, s.draft):
                     self._drop(old)
             self.entries.pop(name, None)
-            self.entries[name] = Spilled(entry.tokens, entry.draft is not None, entry.trimmable,
-                                         self._path(name).stat().st_size)
+            self.entries[name] = Spilled(entry.tokens, entry.draft is not None, entry.trimmable, size)
             self._fit()
 
     def load(self, name: str) -> Optional[Entry]:
