@@ -42,12 +42,15 @@ def default_ssd_cache_dir() -> Path:
 
 def pair_dir(root, target_dir, draft_dir, load_kwargs: dict) -> Path:
     """The directory of one pair's entries under ``root``: named by the pair's files (path,
-    size and modification time of each config and weight file) and load options."""
+    size and modification time of each config and weight file), load options and mlx-lm's
+    version (its models lay out the caches)."""
+    from mlx_lm import __version__ as mlx_lm_version
+
     def files(d):
         d = Path(d).resolve()
         return [str(d)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(d.iterdir())
                            if f.suffix == ".safetensors" or f.name == "config.json"]
-    key = {"format": FORMAT, "target": files(target_dir),
+    key = {"format": FORMAT, "mlx_lm": mlx_lm_version, "target": files(target_dir),
            "drafter": files(draft_dir) if draft_dir is not None else None,
            "load": sorted([k, str(v)] for k, v in load_kwargs.items())}
     return Path(root).expanduser() / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
