@@ -66,6 +66,7 @@ def generate(
     draft_bits: Optional[int] = typer.Option(None, "--draft-bits", help="Quantize the drafter's weights to 2, 4 or 8 bits."),
     draft_group_size: int = typer.Option(64, "--draft-group-size", help="Group size for --draft-bits (32, 64 or 128)."),
     draft_activation_bits: int = typer.Option(32, "--draft-activation-bits", help="Drafter activation precision: 32 (fp32) or 16 (bf16)."),
+    adapter_path: Optional[str] = typer.Option(None, "--adapter-path", help="The target's LoRA adapters (a directory written by mlx_lm.lora), as in mlx_lm.generate."),
     copies: bool = typer.Option(True, "--copies/--no-copies", help="Where the text repeats itself (names, numbers, code, loops), verify a copy of what followed the repeated tokens before instead of a draft (no drafter pass); --no-copies drafts every block."),
     verify_mode: str = typer.Option("dflash", "--verify-mode", help="'dflash' (speculative), 'adaptive' (block size 'auto', a --block-size number is the largest) or 'off' (plain decoding)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
@@ -104,7 +105,7 @@ def generate(
         # No --model: the built-in pair (and the shipped drafter unless --draft is given).
         target, tokenizer, drafter = load(
             model, draft, draft_bits=draft_bits, draft_group_size=draft_group_size,
-            draft_activation_bits=draft_activation_bits)
+            draft_activation_bits=draft_activation_bits, adapter_path=adapter_path)
         for token in extra_eos_token:
             tokenizer.add_eos_token(token)
         # As mlx_lm.generate does: a text prompt becomes a user turn of the chat template.

@@ -2,6 +2,7 @@
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -12,7 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import adaptive
 from .drafter import Drafter
-from .loading import load_drafter, quantize, resolve, set_activation_bits
+from .loading import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
 from .sampling import SamplingParams
 from .speculative import speculative_generate_step
 from .target import attach
@@ -46,8 +47,10 @@ class GenerationResponse:
 
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
          draft_bits: Optional[int] = None, draft_group_size: int = 64,
-         draft_activation_bits: int = 32):
+         draft_activation_bits: int = 32, adapter_path: Optional[str] = None):
     """Load a target with mlx-lm and, optionally, its drafter (validated against it).
+    ``adapter_path``: the target's LoRA / DoRA / full fine-tune adapters, as mlx-lm's
+    ``load`` applies them (drafts are still verified by the adapted target: lossless).
 
     Without ``target``: the built-in pair, SmolLM2-135M-Instruct (converted into the cache
     on first use, offline once it is there) and, unless ``draft`` is given, the DFlash 2
@@ -58,7 +61,10 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
 
         target, shipped = default_pair()
         draft = draft or shipped
-    model, tokenizer = mlx_lm.load(str(resolve(target)))
+    if adapter_path is not None and not (Path(adapter_path).expanduser() / "adapter_config.json").is_file():
+        raise CheckpointError(f"no adapter_config.json in {adapter_path} (--adapter-path: a directory "
+                              f"written by mlx_lm.lora)")
+    model, tokenizer = mlx_lm.load(str(resolve(target)), adapter_path=adapter_path and str(Path(adapter_path).expanduser()))
     drafter = None
     if draft is not None:
         drafter = load_drafter(draft, target=model)

@@ -101,6 +101,39 @@ def test_chat_options_as_mlx_lm_generate_has_them(pair, tmp_path):
     assert "c" not in stops.stdout and "generation 24 tokens" not in stops.stderr
 
 
+def make_adapter(target, path, seed=7):
+    """LoRA adapters for ``target`` as mlx_lm.lora writes them, with random (non-zero) B
+    matrices so that they change the model's text."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(target))
+    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4, "scale": 20.0, "dropout": 0.0}}
+    model.freeze()  # as mlx_lm.lora does: only the LoRA matrices train, and are saved
+    linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"])
+    mx.random.seed(seed)
+    weights = {k: (mx.random.normal(v.shape) * 0.05 if k.endswith("lora_b") else v)
+               for k, v in tree_flatten(model.trainable_parameters())}
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_adapter_path_as_mlx_lm_generate_has_it(pair, tmp_path):
+    adapter = make_adapter(pair / "t", tmp_path / "adapter")
+    args = ["--model", str(pair / "t"), "--prompt", "abcab dcba", "--max-tokens", "24"]
+    ours = run("generate", "--draft", str(pair / "d"), "--block-size", "4", "--adapter-path", str(adapter), *args)
+    assert ours.returncode == 0, ours.stderr
+    want = mlx_lm_text(*args, "--adapter-path", str(adapter))
+    assert ours.stdout == want + "\n" and want != mlx_lm_text(*args)  # the adapter changed the text
+    missing = run("generate", "--draft", str(pair / "d"), "--adapter-path", str(tmp_path), *args)
+    assert missing.returncode == 2 and errors(missing.stderr) == [
+        f"error: no adapter_config.json in {tmp_path} (--adapter-path: a directory written by mlx_lm.lora)"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--chat-template-config", "[1]"], "--chat-template-config: must be a JSON object"),
     (["--chat-template-config", "{'a': 1}"], "--chat-template-config: invalid JSON (Expecting property"),
