@@ -59,6 +59,8 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p", help="Min-p filter (0 = off)."),
     block_size: str = typer.Option(
         "auto", "--block-size", help="Block size (anchor + drafted tokens): 'auto' chooses it every cycle from measured costs and live acceptance (1 = plain decoding); a number in 1..the drafter's trained size fixes it."),
+    num_draft_tokens: Optional[int] = typer.Option(
+        None, "--num-draft-tokens", min=1, help="mlx_lm.generate's name for the tokens drafted a cycle: the same as --block-size N+1."),
     draft_window: Optional[int] = typer.Option(
         None, "--draft-window", help="Context rows a draft reads, the latest ones (default: all)."),
     draft_sink: int = typer.Option(
@@ -97,6 +99,10 @@ def generate(
         prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     last = None
     try:
+        if num_draft_tokens is not None:
+            if block_size != "auto":
+                raise ValueError("give --block-size or --num-draft-tokens, not both")
+            block_size = str(num_draft_tokens + 1)
         template_kwargs = template_config(chat_template_config)
         if messages_file is not None:
             prompt = read_messages(messages_file)

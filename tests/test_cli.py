@@ -122,6 +122,16 @@ def make_adapter(target, path, seed=7):
     return path
 
 
+def test_num_draft_tokens_is_the_block_size_less_one(pair):
+    args = ["generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--prompt", "abcab dcba",
+            "--max-tokens", "20"]
+    three = run(*args, "--num-draft-tokens", "3")
+    assert three.returncode == 0 and "blocks 4x" in three.stderr, three.stderr
+    assert three.stdout == run(*args, "--block-size", "4").stdout
+    both = run(*args, "--num-draft-tokens", "3", "--block-size", "4")
+    assert both.returncode == 2 and errors(both.stderr) == ["error: give --block-size or --num-draft-tokens, not both"]
+
+
 def test_adapter_path_as_mlx_lm_generate_has_it(pair, tmp_path):
     adapter = make_adapter(pair / "t", tmp_path / "adapter")
     args = ["--model", str(pair / "t"), "--prompt", "abcab dcba", "--max-tokens", "24"]
