@@ -166,7 +166,10 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     ``lookup``: where the sequence repeats itself a block may be a copy of what followed
     the repeated tokens before (``lookup.py``); False: every block is the drafter's.
     A reused prefix (the server's prefix cache): ``prompt_cache`` (and with DFlash
-    ``draft_context``) already hold the first ``cached_tokens`` prompt tokens."""
+    ``draft_context``) already hold the first ``cached_tokens`` prompt tokens.
+    A ``prompt_cache`` given without ``draft_context`` is used as mlx-lm uses it: the prompt
+    goes in after what it holds, and it ends holding the prompt and every token yielded (no
+    draft accepted but not yielded), so a chat continued from it is mlx-lm's own."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if max_tokens == 0 or max_tokens < -1:
@@ -196,7 +199,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             logits_processors=logits_processors, block_size=policy,
             prefill_step_size=prefill_step_size, draft_window=draft_window, draft_sink=draft_sink,
             prompt_cache=prompt_cache, context=draft_context, cached_tokens=cached_tokens,
-            lookup=lookup,
+            lookup=lookup, settle=prompt_cache is not None and draft_context is None,
         )
     else:
         sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, top_k=top_k)
@@ -208,6 +211,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     try:
         yield from _responses(tokens, tokenizer, ids, limit, tic)
     finally:
+        tokens.close()  # now, not when collected: a prompt_cache is settled before this returns
         adaptive.remember(policy)
 
 

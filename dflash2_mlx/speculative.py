@@ -101,12 +101,15 @@ def speculative_generate_step(
     context: Optional[DraftContext] = None,
     cached_tokens: int = 0,
     lookup: bool = True,
+    settle: bool = False,
 ) -> Iterator:
     """``block_size``: a number, "auto", or a policy (``adaptive.policy``); ``draft_window``:
     how many of the latest context rows a draft reads (None: all), besides the first
     ``draft_sink`` (``draft_context.py``). A reused prefix: the first
     ``cached_tokens`` of the prompt are already in ``prompt_cache`` and ``context``.
-    ``lookup``: blocks may be copies where the sequence repeats (False: always the drafter)."""
+    ``lookup``: blocks may be copies where the sequence repeats (False: always the drafter).
+    ``settle``: when the steps end (or are closed), leave the cache holding the prompt and
+    every token yielded, as mlx-lm's generate_step leaves it (no draft accepted but unread)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
     policy = block_size if hasattr(block_size, "record") else adaptive.policy(
         target, drafter, block_size, params.greedy)
@@ -121,8 +124,14 @@ def speculative_generate_step(
     anchor = int(sample(logprobs, params)[0].item())
     # Every token read so far: the prompt and each token once it is yielded.
     copier = Lookup(prompt.tolist() + [anchor]) if lookup else None
-    yield anchor, logprobs[0], False, stats
-    emitted = 1
+    emitted, last = 0, None  # tokens yielded, the latest
+    saved = kept = None  # the latest cycle's caches before its verify pass, and the tokens it kept
+
+    def out(token: int) -> int:
+        nonlocal emitted, last
+        emitted, last = emitted + 1, token
+        return token
+
     pending = None  # a plain step's (token, logprobs, shadow chance or None): computing, not read yet
 
     def take(pending) -> int:
@@ -138,85 +147,98 @@ def speculative_generate_step(
     # a copy the drafter first reads the rows they committed, work those steps put off).
     drafted = False
 
-    while emitted + (pending is not None) < max_tokens:
-        tic = time.perf_counter()
-        if steady is not None:  # pipelined: a plain step takes what one iteration takes
-            policy.timed(1, tic - steady)
-            steady = None
-        if copier is not None and copier.repeating and pending is not None and policy.largest > 1:
-            # The sequence is repeating itself: read the plain step's token now (out of the
-            # pipeline) so that the next block can be a copy that starts after it.
-            anchor = take(pending)
-            yield anchor, pending[1], False, stats
-            emitted, pending = emitted + 1, None
-            continue
-        copy = copier.draft(policy.copy_largest - 1) if copier is not None and pending is None else []
-        b = policy.block_size(history.size, copy=len(copy))
-        if b == 1:
-            # A plain decode step, pipelined as in mlx-lm: the next step's graph is built
-            # while this one computes, so reading a token never leaves the CPU idle.
-            token = pending[0] if pending is not None else mx.array([anchor])
-            shadow = policy.shadow()
-            logits, features = target(token[None], cache)
-            logprobs = processed_logprobs(logits[0], history, token, logits_processors)
-            step = (sample(logprobs, params), logprobs[0])
-            # Before this step's features join the context: the draft sees what a cycle
-            # anchored at ``token`` would see.
-            step += (shadow_chance(drafter, context, token, step, params) if shadow else None,)
-            mx.async_eval([x for x in step if x is not None])
-            context.add(features)
-            history = mx.concatenate([history, token])
-            policy.record(1, 0)
-            stats.record(1, 0, policy.fallback)
-            drafted = False
-            stats.shadows += shadow
-            if pending is not None:
-                yield take(pending), pending[1], False, stats
-                emitted += 1
-                steady = tic
-            pending = step
-            continue
-        if pending is not None:  # drafting resumes from the last plain step's token
-            anchor = take(pending)
-            yield anchor, pending[1], False, stats
-            emitted, pending = emitted + 1, None
-        tic = time.perf_counter()
-        copying = bool(copy) and policy.copying
-        if copying:  # a copy of what followed the repeated tokens last time: no drafter pass
-            draft = mx.array(copy[: b - 1])
-            q = None if params.greedy else one_hot_rows(draft, drafter.config.vocab_size)
-        else:
-            block = mx.array([[anchor] + [mask] * (b - 1)])
-            # Draft + propose: one drafter pass, then per-position picks or the selector walk.
-            hidden = drafter(block, context.fed())
-            draft, q = propose(drafter, hidden, mx.array(anchor), params)
-        # Verify: one target pass over [anchor, d1 .. d_{B-1}].
-        verify = mx.concatenate([mx.array([anchor]), draft.astype(mx.int32)])
-        saved = snapshot(cache)
-        logits, features = target(verify[None], cache)
-        rows = processed_logits(logits[0], history, verify, logits_processors)
-        # Accept: greedy prefix match, or rejection sampling against q.
-        if params.greedy:
-            accepted, bonus, logprobs = verify_greedy(rows, draft)
-        else:
-            accepted, bonus, logprobs = verify_sampled(rows, q, draft, params)
-        kept = verify[: accepted + 1]
-        rollback(target, cache, saved, verify.size, kept[None])
-        context.add(features[:, : accepted + 1])
-        history = mx.concatenate([history, kept])
-        policy.record(b, accepted)
-        stats.record(b, accepted, policy.fallback, copying)
-        new = draft[:accepted].tolist() + [bonus]
-        if copying or drafted:
-            policy.timed(b, time.perf_counter() - tic, copying)
-        drafted = not copying
-        if copier is not None:
-            copier.extend(new)
-        for i, token in enumerate(new):
-            yield token, logprobs[i], i < accepted, stats
-            emitted += 1
-            if emitted >= max_tokens:
-                return
-        anchor = bonus
-    if pending is not None:
-        yield take(pending), pending[1], False, stats
+    try:
+        yield out(anchor), logprobs[0], False, stats
+        while emitted + (pending is not None) < max_tokens:
+            tic = time.perf_counter()
+            if steady is not None:  # pipelined: a plain step takes what one iteration takes
+                policy.timed(1, tic - steady)
+                steady = None
+            if copier is not None and copier.repeating and pending is not None and policy.largest > 1:
+                # The sequence is repeating itself: read the plain step's token now (out of the
+                # pipeline) so that the next block can be a copy that starts after it.
+                anchor = take(pending)
+                yield out(anchor), pending[1], False, stats
+                pending = None
+                continue
+            copy = copier.draft(policy.copy_largest - 1) if copier is not None and pending is None else []
+            b = policy.block_size(history.size, copy=len(copy))
+            if b == 1:
+                # A plain decode step, pipelined as in mlx-lm: the next step's graph is built
+                # while this one computes, so reading a token never leaves the CPU idle.
+                token = pending[0] if pending is not None else mx.array([anchor])
+                shadow = policy.shadow()
+                logits, features = target(token[None], cache)
+                logprobs = processed_logprobs(logits[0], history, token, logits_processors)
+                step = (sample(logprobs, params), logprobs[0])
+                # Before this step's features join the context: the draft sees what a cycle
+                # anchored at ``token`` would see.
+                step += (shadow_chance(drafter, context, token, step, params) if shadow else None,)
+                mx.async_eval([x for x in step if x is not None])
+                context.add(features)
+                history = mx.concatenate([history, token])
+                policy.record(1, 0)
+                stats.record(1, 0, policy.fallback)
+                drafted = False
+                stats.shadows += shadow
+                if pending is not None:
+                    yield out(take(pending)), pending[1], False, stats
+                    steady = tic
+                pending = step
+                continue
+            if pending is not None:  # drafting resumes from the last plain step's token
+                anchor = take(pending)
+                yield out(anchor), pending[1], False, stats
+                pending = None
+            tic = time.perf_counter()
+            copying = bool(copy) and policy.copying
+            if copying:  # a copy of what followed the repeated tokens last time: no drafter pass
+                draft = mx.array(copy[: b - 1])
+                q = None if params.greedy else one_hot_rows(draft, drafter.config.vocab_size)
+            else:
+                block = mx.array([[anchor] + [mask] * (b - 1)])
+                # Draft + propose: one drafter pass, then per-position picks or the selector walk.
+                hidden = drafter(block, context.fed())
+                draft, q = propose(drafter, hidden, mx.array(anchor), params)
+            # Verify: one target pass over [anchor, d1 .. d_{B-1}].
+            verify = mx.concatenate([mx.array([anchor]), draft.astype(mx.int32)])
+            saved = snapshot(cache)
+            logits, features = target(verify[None], cache)
+            rows = processed_logits(logits[0], history, verify, logits_processors)
+            # Accept: greedy prefix match, or rejection sampling against q.
+            if params.greedy:
+                accepted, bonus, logprobs = verify_greedy(rows, draft)
+            else:
+                accepted, bonus, logprobs = verify_sampled(rows, q, draft, params)
+            kept = verify[: accepted + 1]
+            rollback(target, cache, saved, verify.size, kept[None])
+            context.add(features[:, : accepted + 1])
+            history = mx.concatenate([history, kept])
+            policy.record(b, accepted)
+            stats.record(b, accepted, policy.fallback, copying)
+            new = draft[:accepted].tolist() + [bonus]
+            if copying or drafted:
+                policy.timed(b, time.perf_counter() - tic, copying)
+            drafted = not copying
+            if copier is not None:
+                copier.extend(new)
+            for i, token in enumerate(new):
+                yield out(token), logprobs[i], i < accepted, stats
+                if emitted >= max_tokens:
+                    return
+            anchor = bonus
+        if pending is not None:
+            yield out(take(pending)), pending[1], False, stats
+    finally:
+        if settle:
+            _settle(target, cache, history.size, prompt.size + emitted, last, saved, kept)
+
+
+def _settle(target: Target, cache, fed: int, read: int, last: int, saved, kept):
+    """Leave ``cache`` as mlx-lm's generate_step leaves it: holding the ``read`` tokens (the
+    prompt and every token yielded), no draft accepted but never read, the last one fed."""
+    if fed > read:  # a cycle accepted more than was read before the steps ended
+        rollback(target, cache, saved, kept.size, kept[None, : kept.size - (fed - read)])
+    elif fed < read:  # mlx-lm's pipelined step has fed the token it yielded last
+        target(mx.array([[last]]), cache)
+        mx.eval([c.state for c in cache])

@@ -91,6 +91,41 @@ def test_public_stream_generate_matches_mlx_lm(pairs):
     assert off == [r.token for r in responses]
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama_sliding", "qwen3_5"])
+def test_a_chat_through_one_prompt_cache_is_mlx_lms(pairs, family):
+    """mlx-lm's multi-turn use of ``prompt_cache``: each turn's prompt goes in after what the
+    cache holds, which ends holding every token yielded (not a draft accepted past the last
+    one read). Every turn's tokens and the cache's length after it are
+    mlx_lm.stream_generate's, whether a turn ends at max_tokens, at its end of sequence or
+    where its reader stops."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok, drafters = pairs[family]
+    turns = ["abcab dcba", "dd cc", "a b c d", "bbbb", "cab"]
+
+    def chat(stream):
+        cache, out = make_prompt_cache(model), []
+        for i, text in enumerate(turns):
+            tokens = []
+            for r in stream(tok.encode(text), cache):
+                tokens.append(r.token)
+                if i == 2 and len(tokens) == 5:  # a reader that stops early
+                    break
+            out.append((tokens, max(c.offset for c in cache if hasattr(c, "offset"))))
+        return out
+
+    for bias in ({}, {1: -100.0}):  # end-of-sequence allowed, and not
+        procs = make_logits_processors(logit_bias=bias) if bias else None
+        want = chat(lambda ids, cache: mlx_lm.stream_generate(model, tok, ids, max_tokens=13, prompt_cache=cache,
+                                                               logits_processors=procs))
+        for block_size in (4, 8):
+            got = chat(lambda ids, cache: d.stream_generate(model, tok, ids, drafters[2], max_tokens=13,
+                                                            block_size=block_size, prompt_cache=cache,
+                                                            logits_processors=procs))
+            assert got == want, f"{family} block {block_size} bias {bias}"
+
+
 def test_greedy_parity_with_repetition_penalty(pairs):
     model, tok, drafters = pairs["qwen3"]
     prompt = tok.encode("aabbccdd")
