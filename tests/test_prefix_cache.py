@@ -139,15 +139,16 @@ def test_hybrid_turn_end_is_the_last_step_with_only_known_tokens(tmp_path):
     on_worker(run)
 
 
-@pytest.mark.parametrize("prefix_cache_gb", [1.0, 0.0])
-def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(cache_pair, prefix_cache_gb):
+@pytest.mark.parametrize("prefix_cache_gb,disk", [(1.0, False), (0.0, False), (0.0, True)])
+def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(cache_pair, prefix_cache_gb,
+                                                                                 disk, tmp_path):
     """Alone, a request runs as a single stream (no batch step); when a second one asks
     to join, the first goes on in the batch after its tokens (its caches through the prefix
-    cache, or its own where that is off): each text is still generate()'s, token counts and
-    draft statistics run on across the handover."""
+    cache, or its own where that is off, even with a disk tier): each text is still
+    generate()'s, token counts and draft statistics run on across the handover."""
     target, drafter, reference = cache_pair
-    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)),
-               model_id="tiny", max_batch=4, prefix_cache_gb=prefix_cache_gb)
+    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter), dflash_ssd_cache=disk),
+               model_id="tiny", max_batch=4, prefix_cache_gb=prefix_cache_gb, ssd_cache_dir=tmp_path)
     asyncio.run(e.start())
 
     async def scenario():
@@ -174,7 +175,7 @@ def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(
     last = chunks[-1]
     assert last.completion_tokens == 120 and last.finish_reason == "length"
     if not prefix_cache_gb:  # the handover's own caches are not the client's prompt cache
-        assert last.cached_tokens == 0
+        assert last.cached_tokens == 0 and stats["prefix_cache_ssd_hits"] == 0
     assert [c.completion_tokens for c in chunks] == sorted(c.completion_tokens for c in chunks)
     assert sum(last.block_sizes.values()) == last.cycles and last.tau >= 1.0
     assert second.text == reference("zebra", max_tokens=20, logits_processors=bias)

@@ -855,8 +855,9 @@ class Engine:
         finally:
             if gen is not None:
                 gen.close()
-            # A handover keeps its caches even where the prefix cache is off: in one of its own.
-            kept = self.prefix_cache if finish != "handover" or self.prefix_cache.enabled else PrefixCache(1 << 62)
+            # A handover keeps its caches even where the prefix cache's memory tier is off: in
+            # one of its own (not by way of the disk tier).
+            kept = self.prefix_cache if finish != "handover" or self.prefix_cache.budget > 0 else PrefixCache(1 << 62)
             if start is not None and finish != "error":
                 try:
                     kept.store(request.ids + emitted, start)
