@@ -229,6 +229,9 @@ def speculative_generate_step(
             anchor = bonus
         if pending is not None:
             yield out(take(pending)), pending[1], False, stats
+    except Exception:
+        settle = False  # an error mid-cycle: history may not say what the caches hold
+        raise
     finally:
         if settle:
             _settle(target, cache, history.size, prompt.size + emitted, last, saved, kept)
