@@ -61,10 +61,10 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
 
         target, shipped = default_pair()
         draft = draft or shipped
-    if adapter_path is not None and not (Path(adapter_path).expanduser() / "adapter_config.json").is_file():
-        raise CheckpointError(f"no adapter_config.json in {adapter_path} (--adapter-path: a directory "
-                              f"written by mlx_lm.lora)")
-    model, tokenizer = mlx_lm.load(str(resolve(target)), adapter_path=adapter_path and str(Path(adapter_path).expanduser()))
+    adapters = Path(adapter_path).expanduser() if adapter_path is not None else None
+    if adapters is not None and not (adapters / "adapter_config.json").is_file():
+        raise CheckpointError(f"no adapter_config.json in {adapter_path} (adapters: a directory written by mlx_lm.lora)")
+    model, tokenizer = mlx_lm.load(str(resolve(target)), adapter_path=adapters and str(adapters))
     drafter = None
     if draft is not None:
         drafter = load_drafter(draft, target=model)

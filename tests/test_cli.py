@@ -141,7 +141,7 @@ def test_adapter_path_as_mlx_lm_generate_has_it(pair, tmp_path):
     assert ours.stdout == want + "\n" and want != mlx_lm_text(*args)  # the adapter changed the text
     missing = run("generate", "--draft", str(pair / "d"), "--adapter-path", str(tmp_path), *args)
     assert missing.returncode == 2 and errors(missing.stderr) == [
-        f"error: no adapter_config.json in {tmp_path} (--adapter-path: a directory written by mlx_lm.lora)"]
+        f"error: no adapter_config.json in {tmp_path} (adapters: a directory written by mlx_lm.lora)"]
 
 
 @pytest.mark.parametrize("args,message", [
