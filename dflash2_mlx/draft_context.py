@@ -35,7 +35,7 @@ class WindowCache(KVCache):
 
 class DraftContext:
     def __init__(self, drafter, window: Optional[int] = None, sink: int = 0):
-        self.drafter = drafter
+        self.drafter, self.window, self.sink = drafter, window, sink
         self.cache = ([WindowCache(window, sink) for _ in drafter.layers] if window
                       else drafter.make_cache())
         self.pending, self.rows = [], 0
@@ -53,3 +53,13 @@ class DraftContext:
             self.drafter.append_context(mx.concatenate(self.pending, axis=1), self.cache)
             self.pending, self.rows = [], 0
         return self.cache
+
+    @property
+    def size(self) -> int:
+        """Committed tokens in the context, fed or pending."""
+        return self.cache[0].offset + self.rows
+
+    def trim(self, n: int):
+        """Drop the latest ``n`` rows."""
+        for c in self.fed():
+            c.trim(n)

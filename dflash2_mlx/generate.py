@@ -1,6 +1,7 @@
 """The public surface in mlx-lm's shape: ``load``, ``stream_generate``, ``generate``."""
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -12,6 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import adaptive
+from .draft_context import DraftContext
 from .drafter import Drafter
 from .loading import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
 from .sampling import SamplingParams
@@ -169,7 +171,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     ``draft_context``) already hold the first ``cached_tokens`` prompt tokens.
     A ``prompt_cache`` given without ``draft_context`` is used as mlx-lm uses it: the prompt
     goes in after what it holds, and it ends holding the prompt and every token yielded (no
-    draft accepted but not yielded), so a chat continued from it is mlx-lm's own."""
+    draft accepted but not yielded), so a chat continued from it is mlx-lm's own; the
+    drafter's context of those tokens is kept beside it (``chat_context``)."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if max_tokens == 0 or max_tokens < -1:
@@ -187,6 +190,9 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     if drafter is not None and verify_mode != "off":
         block_size = check_block_size(drafter, block_size)
         target = attach(model, drafter)
+        chat = prompt_cache is not None and draft_context is None  # mlx-lm's use of a prompt cache
+        if chat:
+            draft_context = chat_context(prompt_cache, drafter, draft_window, draft_sink)
         # "auto" measures the machine's costs on a pair's first request (about three seconds).
         # Sampling with a seed starts without the pair's history (same seed and costs, same
         # text); greedy text is the target's whatever the block sizes, so it always uses it.
@@ -199,7 +205,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             logits_processors=logits_processors, block_size=policy,
             prefill_step_size=prefill_step_size, draft_window=draft_window, draft_sink=draft_sink,
             prompt_cache=prompt_cache, context=draft_context, cached_tokens=cached_tokens,
-            lookup=lookup, settle=prompt_cache is not None and draft_context is None,
+            lookup=lookup, settle=chat,
         )
     else:
         sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, top_k=top_k)
@@ -213,6 +219,23 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     finally:
         tokens.close()  # now, not when collected: a prompt_cache is settled before this returns
         adaptive.remember(policy)
+
+
+# A prompt cache's first layer -> the drafter context of the tokens it holds, for mlx-lm's
+# use of a prompt cache (the caller keeps only the target's cache from turn to turn).
+_chat_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def chat_context(prompt_cache: list, drafter: Drafter, window: Optional[int], sink: int) -> DraftContext:
+    """The drafter context of the tokens ``prompt_cache`` holds, kept from the call that left
+    them there; a fresh one (this call's tokens only) where none matches the cache."""
+    held = max((c.offset for c in prompt_cache if hasattr(c, "offset")), default=None)
+    context = _chat_contexts.get(prompt_cache[0])
+    if (context is None or context.drafter is not drafter or (context.window, context.sink) != (window, sink)
+            or context.size != held):
+        context = DraftContext(drafter, window, sink)
+    _chat_contexts[prompt_cache[0]] = context
+    return context
 
 
 def _responses(tokens, tokenizer, ids, limit, tic):

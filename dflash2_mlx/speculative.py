@@ -234,14 +234,17 @@ def speculative_generate_step(
         raise
     finally:
         if settle:
-            _settle(target, cache, history.size, prompt.size + emitted, last, saved, kept)
+            _settle(target, cache, context, history.size, prompt.size + emitted, last, saved, kept)
 
 
-def _settle(target: Target, cache, fed: int, read: int, last: int, saved, kept):
+def _settle(target: Target, cache, context: DraftContext, fed: int, read: int, last: int, saved, kept):
     """Leave ``cache`` as mlx-lm's generate_step leaves it: holding the ``read`` tokens (the
-    prompt and every token yielded), no draft accepted but never read, the last one fed."""
+    prompt and every token yielded), no draft accepted but never read, the last one fed;
+    ``context`` holds the drafter's rows of the same tokens."""
     if fed > read:  # a cycle accepted more than was read before the steps ended
         rollback(target, cache, saved, kept.size, kept[None, : kept.size - (fed - read)])
+        context.trim(fed - read)
     elif fed < read:  # mlx-lm's pipelined step has fed the token it yielded last
-        target(mx.array([[last]]), cache)
+        _, features = target(mx.array([[last]]), cache)
+        context.add(features)
         mx.eval([c.state for c in cache])

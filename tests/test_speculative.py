@@ -126,6 +126,31 @@ def test_a_chat_through_one_prompt_cache_is_mlx_lms(pairs, family):
             assert got == want, f"{family} block {block_size} bias {bias}"
 
 
+def test_a_chat_through_one_prompt_cache_keeps_the_drafters_context(pairs):
+    """Beside a prompt cache used as mlx-lm uses it, the drafter's context of the same tokens
+    is kept from turn to turn (one row per token the cache holds); a cache that another
+    generator has moved on gets a fresh one."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash2_mlx.generate import _chat_contexts
+
+    model, tok, drafters = pairs["qwen3"]
+    cache, seen = make_prompt_cache(model), []
+    for i, text in enumerate(["abcab dcba", "dd cc", "a b c d"]):
+        for n, _ in enumerate(d.stream_generate(model, tok, tok.encode(text), drafters[2], max_tokens=13,
+                                                block_size=4, prompt_cache=cache)):
+            if i == 1 and n == 4:  # a reader that stops early
+                break
+        seen.append(_chat_contexts[cache[0]])
+        assert seen[-1].size == cache[0].offset > 0
+    assert seen[0] is seen[1] is seen[2]
+    list(mlx_lm.stream_generate(model, tok, tok.encode("bbbb"), max_tokens=5, prompt_cache=cache))
+    list(d.stream_generate(model, tok, tok.encode("cab"), drafters[2], max_tokens=5, prompt_cache=cache))
+    fresh = _chat_contexts[cache[0]]
+    assert fresh is not seen[0] and fresh.size < cache[0].offset  # only its own turn's tokens
+
+
 def test_greedy_parity_with_repetition_penalty(pairs):
     model, tok, drafters = pairs["qwen3"]
     prompt = tok.encode("aabbccdd")
