@@ -68,6 +68,9 @@ def generate(
     draft_bits: Optional[int] = typer.Option(None, "--draft-bits", help="Quantize the drafter's weights to 2, 4 or 8 bits."),
     draft_group_size: int = typer.Option(64, "--draft-group-size", help="Group size for --draft-bits (32, 64 or 128)."),
     draft_activation_bits: int = typer.Option(32, "--draft-activation-bits", help="Drafter activation precision: 32 (fp32) or 16 (bf16)."),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Quantize the target's KV cache to this many bits, as mlx_lm.generate does (default: no quantization)."),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help="Group size for --kv-bits."),
+    quantized_kv_start: int = typer.Option(5000, "--quantized-kv-start", help="With --kv-bits: quantize once the cache holds this many tokens (0: from the start), as mlx_lm.generate does."),
     adapter_path: Optional[str] = typer.Option(None, "--adapter-path", help="The target's LoRA adapters (a directory written by mlx_lm.lora), as in mlx_lm.generate."),
     copies: bool = typer.Option(True, "--copies/--no-copies", help="Where the text repeats itself (names, numbers, code, loops), verify a copy of what followed the repeated tokens before instead of a draft (no drafter pass); --no-copies drafts every block."),
     verify_mode: str = typer.Option("dflash", "--verify-mode", help="'dflash' (speculative), 'adaptive' (block size 'auto', a --block-size number is the largest) or 'off' (plain decoding)."),
@@ -129,7 +132,8 @@ def generate(
                 target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,
                 top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size,
                 verify_mode=verify_mode, seed=seed, draft_window=draft_window, draft_sink=draft_sink, lookup=copies,
-                prefill_step_size=prefill_step_size):
+                prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                quantized_kv_start=quantized_kv_start):
             typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:
         typer.echo(("\n" if last is not None else "") + f"error: {e}", err=True)

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -156,7 +156,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     seed: Optional[int] = None, prefill_step_size: int = 2048,
                     draft_window: Optional[int] = None, draft_sink: int = 0,
                     prompt_cache: Optional[list] = None, draft_context=None, cached_tokens: int = 0,
-                    lookup: bool = True):
+                    lookup: bool = True, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
@@ -172,7 +173,9 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     A ``prompt_cache`` given without ``draft_context`` is used as mlx-lm uses it: the prompt
     goes in after what it holds, and it ends holding the prompt and every token yielded (no
     draft accepted but not yielded), so a chat continued from it is mlx-lm's own; the
-    drafter's context of those tokens is kept beside it (``chat_context``)."""
+    drafter's context of those tokens is kept beside it (``chat_context``).
+    ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``: mlx-lm's KV cache quantization,
+    applied where mlx-lm applies it."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if max_tokens == 0 or max_tokens < -1:
@@ -205,13 +208,15 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             logits_processors=logits_processors, block_size=policy,
             prefill_step_size=prefill_step_size, draft_window=draft_window, draft_sink=draft_sink,
             prompt_cache=prompt_cache, context=draft_context, cached_tokens=cached_tokens,
-            lookup=lookup, settle=chat,
+            lookup=lookup, settle=chat, kv_bits=kv_bits, kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
         )
     else:
         sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, top_k=top_k)
         plain = generate_step(ids[cached_tokens:], model, max_tokens=max_tokens, sampler=sampler,
                               logits_processors=logits_processors, prompt_cache=prompt_cache,
-                              prefill_step_size=prefill_step_size)
+                              prefill_step_size=prefill_step_size, kv_bits=kv_bits,
+                              kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
         tokens = ((int(t), lp, False, None) for t, lp in plain)
 
     try:

@@ -15,9 +15,11 @@ verified and accepted the same way.  Yields (token, logprobs, from_draft, stats)
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 
 from . import adaptive
 from .draft_context import DraftContext
@@ -62,11 +64,19 @@ class CycleStats:
         return (self.total_accepted + self.cycles) / self.cycles if self.cycles else 0.0
 
 
-def prefill(target: Target, prompt: mx.array, cache, step: int = 2048):
-    """Run the prompt through the target in chunks; last logits and all features."""
+def prefill(target: Target, prompt: mx.array, cache, step: int = 2048, after=None):
+    """Run the prompt through the target in chunks; last logits and all features.
+    ``after(cache)`` after each call (mlx-lm's KV quantization): then the chunks are
+    mlx-lm's own, the prompt but its last token, and that token alone."""
     feats = []
-    for i in range(0, prompt.size, step):
-        logits, f = target(prompt[None, i : i + step], cache)
+    chunks = [(i, min(i + step, prompt.size)) for i in range(0, prompt.size, step)]
+    if after is not None:
+        chunks = [(i, min(i + step, prompt.size - 1)) for i in range(0, prompt.size - 1, step)]
+        chunks.append((prompt.size - 1, prompt.size))
+    for i, j in chunks:
+        logits, f = target(prompt[None, i:j], cache)
+        if after is not None:
+            after(cache)
         mx.eval(logits, f)
         feats.append(f)
     return logits[0, -1:], mx.concatenate(feats, axis=1)
@@ -102,6 +112,9 @@ def speculative_generate_step(
     cached_tokens: int = 0,
     lookup: bool = True,
     settle: bool = False,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> Iterator:
     """``block_size``: a number, "auto", or a policy (``adaptive.policy``); ``draft_window``:
     how many of the latest context rows a draft reads (None: all), besides the first
@@ -109,7 +122,11 @@ def speculative_generate_step(
     ``cached_tokens`` of the prompt are already in ``prompt_cache`` and ``context``.
     ``lookup``: blocks may be copies where the sequence repeats (False: always the drafter).
     ``settle``: when the steps end (or are closed), leave the cache holding the prompt and
-    every token yielded, as mlx-lm's generate_step leaves it (no draft accepted but unread)."""
+    every token yielded, as mlx-lm's generate_step leaves it (no draft accepted but unread).
+    ``kv_bits``: mlx-lm's KV cache quantization, from the step whose cache holds
+    ``quantized_kv_start`` tokens on, as generate_step does it (a verify pass never runs
+    across that token: rows before it attend to full-precision keys, rows after to
+    quantized ones, in one-token steps as in blocks)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
     policy = block_size if hasattr(block_size, "record") else adaptive.policy(
         target, drafter, block_size, params.greedy)
@@ -117,7 +134,11 @@ def speculative_generate_step(
     stats = CycleStats(max(policy.largest, policy.copy_largest))
     mask = drafter.config.mask_token_id
 
-    logits, features = prefill(target, prompt[cached_tokens:], cache, prefill_step_size)
+    quantize = None
+    if kv_bits is not None:
+        quantize = partial(maybe_quantize_kv_cache, quantized_kv_start=quantized_kv_start,
+                           kv_group_size=kv_group_size, kv_bits=kv_bits)
+    logits, features = prefill(target, prompt[cached_tokens:], cache, prefill_step_size, quantize)
     context.add(features)
     history = prompt
     logprobs = processed_logprobs(logits, prompt[:-1], prompt[-1:], logits_processors)
@@ -163,11 +184,15 @@ def speculative_generate_step(
                 continue
             copy = copier.draft(policy.copy_largest - 1) if copier is not None and pending is None else []
             b = policy.block_size(history.size, copy=len(copy))
+            if quantize is not None and (held := _kv_offset(cache)) < quantized_kv_start:
+                b = min(b, quantized_kv_start - held)  # up to the token that quantizes the cache
             if b == 1:
                 # A plain decode step, pipelined as in mlx-lm: the next step's graph is built
                 # while this one computes, so reading a token never leaves the CPU idle.
                 token = pending[0] if pending is not None else mx.array([anchor])
                 shadow = policy.shadow()
+                if quantize is not None:  # as mlx-lm quantizes after the step that reached the start
+                    quantize(cache)
                 logits, features = target(token[None], cache)
                 logprobs = processed_logprobs(logits[0], history, token, logits_processors)
                 step = (sample(logprobs, params), logprobs[0])
@@ -202,6 +227,8 @@ def speculative_generate_step(
                 draft, q = propose(drafter, hidden, mx.array(anchor), params)
             # Verify: one target pass over [anchor, d1 .. d_{B-1}].
             verify = mx.concatenate([mx.array([anchor]), draft.astype(mx.int32)])
+            if quantize is not None:
+                quantize(cache)
             saved = snapshot(cache)
             logits, features = target(verify[None], cache)
             rows = processed_logits(logits[0], history, verify, logits_processors)
@@ -234,10 +261,16 @@ def speculative_generate_step(
         raise
     finally:
         if settle:
-            _settle(target, cache, context, history.size, prompt.size + emitted, last, saved, kept)
+            _settle(target, cache, context, history.size, prompt.size + emitted, last, saved, kept, quantize)
 
 
-def _settle(target: Target, cache, context: DraftContext, fed: int, read: int, last: int, saved, kept):
+def _kv_offset(cache) -> int:
+    """Tokens in the attention caches (mlx-lm's KV quantization goes by these)."""
+    return max((c.offset for c in cache if hasattr(c, "offset")), default=0)
+
+
+def _settle(target: Target, cache, context: DraftContext, fed: int, read: int, last: int, saved, kept,
+            quantize=None):
     """Leave ``cache`` as mlx-lm's generate_step leaves it: holding the ``read`` tokens (the
     prompt and every token yielded), no draft accepted but never read, the last one fed;
     ``context`` holds the drafter's rows of the same tokens."""
@@ -246,5 +279,7 @@ def _settle(target: Target, cache, context: DraftContext, fed: int, read: int, l
         context.trim(fed - read)
     elif fed < read:  # mlx-lm's pipelined step has fed the token it yielded last
         _, features = target(mx.array([[last]]), cache)
+        if quantize is not None:
+            quantize(cache)
         context.add(features)
         mx.eval([c.state for c in cache])

@@ -132,6 +132,20 @@ def test_num_draft_tokens_is_the_block_size_less_one(pair):
     assert both.returncode == 2 and errors(both.stderr) == ["error: give --block-size or --num-draft-tokens, not both"]
 
 
+def test_kv_bits_as_mlx_lm_generate_has_them(tmp_path):
+    make_target(tmp_path / "t", "qwen3", alphabet="abcd", seed=11, head_dim=32)  # groups of 32
+    make_drafter(tmp_path / "d", tmp_path / "t", version=2)
+    args = ["--model", str(tmp_path / "t"), "--prompt", "abcab dcba", "--max-tokens", "24",
+            "--kv-bits", "2", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    ours = run("generate", "--draft", str(tmp_path / "d"), "--block-size", "4", *args)
+    assert ours.returncode == 0, ours.stderr
+    want = mlx_lm_text(*args)
+    assert ours.stdout == want + "\n" and want != mlx_lm_text(*args[:6])  # quantized: another text
+    bad = run("generate", "--draft", str(tmp_path / "d"), *args[:6], "--kv-bits", "7", "--kv-group-size", "32",
+              "--quantized-kv-start", "0")
+    assert bad.returncode == 2 and len(errors(bad.stderr)) == 1 and "bits" in bad.stderr, bad.stderr
+
+
 def test_adapter_path_as_mlx_lm_generate_has_it(pair, tmp_path):
     adapter = make_adapter(pair / "t", tmp_path / "adapter")
     args = ["--model", str(pair / "t"), "--prompt", "abcab dcba", "--max-tokens", "24"]

@@ -151,6 +151,39 @@ def test_a_chat_through_one_prompt_cache_keeps_the_drafters_context(pairs):
     assert fresh is not seen[0] and fresh.size < cache[0].offset  # only its own turn's tokens
 
 
+@pytest.fixture(scope="module")
+def kv_pairs(tmp_path_factory):
+    """family -> (model, tokenizer, drafter) with 32-wide heads (MLX quantizes groups of 32+)."""
+    out = {}
+    for fam in ("qwen3", "qwen3_5"):
+        root = tmp_path_factory.mktemp("kv-" + fam)
+        make_target(root / "t", fam, alphabet="abcd", seed=3, head_dim=32)
+        make_drafter(root / "d", root / "t", version=2, seed=11)
+        out[fam] = d.load(str(root / "t"), str(root / "d"))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("kv_bits,start", [(8, 0), (4, 0), (2, 0), (2, 17), (2, 5000)])
+def test_kv_bits_as_mlx_lm_quantizes(kv_pairs, family, kv_bits, start):
+    """mlx-lm's KV cache quantization (kv_bits, quantized_kv_start): from the start (the
+    prompt's last token already reads quantized keys), from a token mid-reply (17: the
+    prompt has 10), never (5000). The tokens are mlx-lm's, whatever the block size."""
+    model, tok, drafter = kv_pairs[family]
+    prompt = tok.encode("abcab dcba")
+    kv = dict(kv_bits=kv_bits, kv_group_size=32, quantized_kv_start=start)
+    procs = make_logits_processors(logit_bias={1: -100.0})  # no end of sequence: a longer text
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS,
+                                             logits_processors=procs, **kv)]
+    if start == 0 and kv_bits == 2:  # the quantization shows in the text: the test can fail
+        assert want != plain_tokens(model, prompt, MAX_TOKENS, procs)
+    target = attach(model, drafter)
+    for block_size in (2, 4, 8):
+        steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=MAX_TOKENS,
+                                          block_size=block_size, logits_processors=procs, **kv)
+        assert [t for t, *_ in steps] == want, f"{family} kv_bits {kv_bits} start {start} block {block_size}"
+
+
 def test_greedy_parity_with_repetition_penalty(pairs):
     model, tok, drafters = pairs["qwen3"]
     prompt = tok.encode("aabbccdd")

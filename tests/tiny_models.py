@@ -84,7 +84,7 @@ def write_byte_tokenizer(path: Path, alphabet: str = ALPHABET):
     return len(tokens)
 
 
-def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
+def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 4, head_dim: int = 16) -> dict:
     base = dict(
         model_type=family, hidden_size=hidden, num_hidden_layers=layers,
         intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
@@ -92,13 +92,13 @@ def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
         max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
     )
     if family == "qwen3":
-        base.update(head_dim=16)
+        base.update(head_dim=head_dim)
     elif family == "qwen3_moe":
         base.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     elif family in ("qwen3_5", "qwen3_next"):
         base.update(
-            head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+            head_dim=head_dim, linear_num_value_heads=4, linear_num_key_heads=2,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
             full_attention_interval=2, partial_rotary_factor=0.5,
         )
@@ -118,12 +118,12 @@ def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
 
 
 def make_target(path, family: str = "qwen3", seed: int = 0, hidden: int = 64, layers: int = 4,
-                alphabet: str = ALPHABET, scale: float = 1.0, byte_level: bool = False):
+                alphabet: str = ALPHABET, scale: float = 1.0, byte_level: bool = False, head_dim: int = 16):
     """Write a random mlx-lm model directory of ``family`` with the char tokenizer (or, with
     ``byte_level``, the byte-level one with emoji pieces)."""
     path = Path(path)
     vocab = (write_byte_tokenizer if byte_level else write_tokenizer)(path, alphabet)
-    config = target_config(family, vocab, hidden, layers)
+    config = target_config(family, vocab, hidden, layers, head_dim)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
