@@ -279,7 +279,7 @@ def _settle(target: Target, cache, context: DraftContext, fed: int, read: int, l
         context.trim(fed - read)
     elif fed < read:  # mlx-lm's pipelined step has fed the token it yielded last
         _, features = target(mx.array([[last]]), cache)
-        if quantize is not None:
-            quantize(cache)
         context.add(features)
-        mx.eval([c.state for c in cache])
+    if quantize is not None:  # mlx-lm quantizes after every step, this loop before the next
+        quantize(cache)
+    mx.eval([c.state for c in cache])

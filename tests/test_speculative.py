@@ -184,6 +184,36 @@ def test_kv_bits_as_mlx_lm_quantizes(kv_pairs, family, kv_bits, start):
         assert [t for t, *_ in steps] == want, f"{family} kv_bits {kv_bits} start {start} block {block_size}"
 
 
+@pytest.mark.parametrize("start", [12, 20, 27, 33])
+def test_kv_bits_in_a_chat_through_one_prompt_cache(kv_pairs, start):
+    """Quantization starting somewhere in a chat kept in one prompt cache (as mlx-lm keeps
+    it): every turn's tokens, the cache's length and whether it is quantized are mlx-lm's."""
+    import mlx_lm
+    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+    model, tok, drafter = kv_pairs["qwen3"]
+    kv = dict(kv_bits=2, kv_group_size=32, quantized_kv_start=start)
+    procs = make_logits_processors(logit_bias={1: -100.0})
+
+    def chat(stream):
+        cache, out = make_prompt_cache(model), []
+        for i, text in enumerate(["abcab dcba", "dd cc", "a b c d"]):
+            tokens = []
+            for r in stream(tok.encode(text), cache):
+                tokens.append(r.token)
+                if i == 1 and len(tokens) == 5:  # a reader that stops early
+                    break
+            out.append((tokens, cache[0].offset, isinstance(cache[0], QuantizedKVCache)))
+        return out
+
+    want = chat(lambda ids, cache: mlx_lm.stream_generate(model, tok, ids, max_tokens=8, prompt_cache=cache,
+                                                           logits_processors=procs, **kv))
+    for block_size in (4, 8):
+        got = chat(lambda ids, cache: d.stream_generate(model, tok, ids, drafter, max_tokens=8, block_size=block_size,
+                                                        prompt_cache=cache, logits_processors=procs, **kv))
+        assert got == want, f"start {start} block {block_size}"
+
+
 def test_greedy_parity_with_repetition_penalty(pairs):
     model, tok, drafters = pairs["qwen3"]
     prompt = tok.encode("aabbccdd")
