@@ -193,6 +193,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     if drafter is not None and verify_mode != "off":
         block_size = check_block_size(drafter, block_size)
         target = attach(model, drafter)
+        if prompt_cache is not None:
+            target.check_cache(prompt_cache)
         chat = prompt_cache is not None and draft_context is None  # mlx-lm's use of a prompt cache
         if chat:
             draft_context = chat_context(prompt_cache, drafter, draft_window, draft_sink)

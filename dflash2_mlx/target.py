@@ -116,6 +116,17 @@ class Target:
     def make_cache(self):
         return make_prompt_cache(self.model)
 
+    def check_cache(self, cache: list):
+        """Refuse a cache that turns layers the model keeps whole into rotating ones (mlx-lm's
+        ``max_kv_size``): the model's masks do not know that window, so a verify pass over
+        several tokens would let its rows read more keys than one-token steps read."""
+        for i, (c, own) in enumerate(zip(cache, self.make_cache())):
+            if isinstance(c, RotatingKVCache) and not isinstance(own, RotatingKVCache):
+                raise ValueError(
+                    f"this prompt_cache bounds layer {i} to {c.max_size} tokens (mlx-lm's max_kv_size): "
+                    f"DFlash's verify passes would not match mlx-lm's one-token steps there; "
+                    f"use a cache without max_kv_size, or verify_mode='off'")
+
     def __call__(self, ids: mx.array, cache):
         """Logits [1, L, V] and tapped features [1, L, n * H] for ``ids`` [1, L]."""
         for slot, i in enumerate(self.layer_ids):

@@ -214,6 +214,26 @@ def test_kv_bits_in_a_chat_through_one_prompt_cache(kv_pairs, start):
         assert got == want, f"start {start} block {block_size}"
 
 
+def test_a_max_kv_size_cache_is_refused_with_dflash(pairs):
+    """mlx-lm's max_kv_size makes every layer a rotating cache the model's masks do not know
+    of: a verify pass would read more keys than one-token steps (not mlx-lm's text), so
+    DFlash refuses it by name; plain decoding runs it as mlx-lm does. A model's own sliding
+    layers (llama_sliding) are no such cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok, drafters = pairs["qwen3"]
+    with pytest.raises(ValueError, match="bounds layer 0 to 16 tokens .mlx-lm's max_kv_size."):
+        list(d.stream_generate(model, tok, "abc", drafters[2], max_tokens=4,
+                               prompt_cache=make_prompt_cache(model, max_kv_size=16)))
+    plain = [r.token for r in d.stream_generate(model, tok, "abc", drafters[2], max_tokens=4, verify_mode="off",
+                                                 prompt_cache=make_prompt_cache(model, max_kv_size=16))]
+    assert plain == [int(t) for t, _ in generate_step(mx.array(tok.encode("abc")), model, max_tokens=4,
+                                                        max_kv_size=16)]
+    model, tok, drafters = pairs["llama_sliding"]
+    assert len(list(d.stream_generate(model, tok, "abc", drafters[2], max_tokens=4,
+                                      prompt_cache=make_prompt_cache(model)))) == 4
+
+
 def test_greedy_parity_with_repetition_penalty(pairs):
     model, tok, drafters = pairs["qwen3"]
     prompt = tok.encode("aabbccdd")
