@@ -15,6 +15,7 @@ Within ``budget`` bytes, the least recently written or used files go first.
 """
 
 import collections
+import contextlib
 import hashlib
 import json
 import logging
@@ -194,7 +195,7 @@ class DiskTier:
         with self._lock:
             if name in self.entries:
                 self.entries.move_to_end(name)
-        if path.exists():
+        with contextlib.suppress(OSError):  # (gone meanwhile: another server took it)
             os.utime(path)  # recently used: the last to go
         return entry
 
