@@ -24,7 +24,8 @@ QUESTIONS = ["How many eggs does Janet sell each day? Answer in one sentence.",
              "Which of the answers above was the largest number?"]
 
 
-def system_text(tokens: int) -> str:
+def worked_answers(tokens: int) -> str:
+    """Worked GSM8K answers from the shipped prompt set, about ``tokens`` tokens of them."""
     data = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "bench_data" / "gsm8k_test.jsonl"
     parts, size = [], 0
     for line in data.read_text().splitlines():
@@ -33,7 +34,11 @@ def system_text(tokens: int) -> str:
         size += len(parts[-1]) // 4  # about 4 characters a token
         if size >= tokens:
             break
-    return "You answer questions about these worked examples.\n\n" + "\n\n".join(parts)
+    return "\n\n".join(parts)
+
+
+def system_text(tokens: int) -> str:
+    return "You answer questions about these worked examples.\n\n" + worked_answers(tokens)
 
 
 def free_port() -> int:

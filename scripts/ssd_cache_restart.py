@@ -11,26 +11,14 @@ then a question that differs each time, so every start reuses all but the questi
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 
+from chat_prefix_cache import worked_answers  # scripts/, beside this one
 from dflash2_mlx.backend.engine import Engine
 from dflash2_mlx.backend.settings import ModelSettings
 from dflash2_mlx.defaults import default_pair
-
-
-def worked_answers(tokens: int) -> str:
-    data = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "bench_data" / "gsm8k_test.jsonl"
-    parts, size = [], 0
-    for line in data.read_text().splitlines():
-        row = json.loads(line)
-        parts.append(f"Q: {row['question']}\nA: {row['answer']}")
-        size += len(parts[-1]) // 4  # about 4 characters a token
-        if size >= tokens:
-            break
-    return "\n\n".join(parts)
 
 
 async def first_token(engine, prompt):
