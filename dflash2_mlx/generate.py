@@ -17,7 +17,7 @@ from .draft_context import DraftContext
 from .drafter import Drafter
 from .loading import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
 from .sampling import SamplingParams
-from .speculative import speculative_generate_step
+from .speculative import kv_offset, speculative_generate_step
 from .target import attach
 
 VERIFY_MODES = ("dflash", "adaptive", "off")
@@ -236,10 +236,9 @@ _chat_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def chat_context(prompt_cache: list, drafter: Drafter, window: Optional[int], sink: int) -> DraftContext:
     """The drafter context of the tokens ``prompt_cache`` holds, kept from the call that left
     them there; a fresh one (this call's tokens only) where none matches the cache."""
-    held = max((c.offset for c in prompt_cache if hasattr(c, "offset")), default=None)
     context = _chat_contexts.get(prompt_cache[0])
     if (context is None or context.drafter is not drafter or (context.window, context.sink) != (window, sink)
-            or context.size != held):
+            or context.size != kv_offset(prompt_cache)):
         context = DraftContext(drafter, window, sink)
     _chat_contexts[prompt_cache[0]] = context
     return context

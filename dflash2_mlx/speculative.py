@@ -184,7 +184,7 @@ def speculative_generate_step(
                 continue
             copy = copier.draft(policy.copy_largest - 1) if copier is not None and pending is None else []
             b = policy.block_size(history.size, copy=len(copy))
-            if quantize is not None and (held := _kv_offset(cache)) < quantized_kv_start:
+            if quantize is not None and (held := kv_offset(cache)) < quantized_kv_start:
                 b = min(b, quantized_kv_start - held)  # up to the token that quantizes the cache
             if b == 1:
                 # A plain decode step, pipelined as in mlx-lm: the next step's graph is built
@@ -264,8 +264,8 @@ def speculative_generate_step(
             _settle(target, cache, context, history.size, prompt.size + emitted, last, saved, kept, quantize)
 
 
-def _kv_offset(cache) -> int:
-    """Tokens in the attention caches (mlx-lm's KV quantization goes by these)."""
+def kv_offset(cache) -> int:
+    """Tokens in the attention caches (mlx-lm's KV quantization goes by these; 0 without any)."""
     return max((c.offset for c in cache if hasattr(c, "offset")), default=0)
 
 
