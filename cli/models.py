@@ -44,13 +44,22 @@ def _engine_text(engine: dict) -> str:
     return f"dflash\t{engine['drafter']}\t" + ("block auto" if block == "auto" else f"block {block}")
 
 
+def _naming_text(raw: dict) -> str:
+    """How requests reach a model besides its id: the alias the API shows, and whether it
+    answers requests that name no model."""
+    alias = raw.get("model_alias")
+    text = f"\talias {alias}" if isinstance(alias, str) and alias.strip() else ""
+    return text + ("\tdefault" if raw.get("is_default") is True else "")
+
+
 @models_app.command("list")
 def list_models(
     model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="Also list the model directories here."),
     settings: Optional[Path] = SETTINGS_OPTION,
 ):
     """Models with settings, those found in --model-dir and the built-in one, as `serve` runs
-    them: id, dflash or plain, drafter, block size (a number, or auto: chosen every cycle)."""
+    them: id, dflash or plain, drafter, block size (a number, or auto: chosen every cycle), then
+    the alias the API shows and "default" where set."""
     from dflash2_mlx.backend.settings import SettingsError
 
     from .serve import BUILTIN_ID
@@ -65,11 +74,12 @@ def list_models(
         ids += sorted(p.name for p in model_dir.iterdir() if (p / "config.json").is_file() and p.name not in entries)
     ids += [BUILTIN_ID] if BUILTIN_ID not in ids else []
     for model_id in ids:
+        raw = entries.get(model_id) or {}
         try:
-            engine = _engine_text(_effective(model_id, entries.get(model_id) or {}).engine())
+            engine = _engine_text(_effective(model_id, raw).engine())
         except SettingsError as e:
             engine = f"invalid\t{e}"
-        typer.echo(f"{model_id}\t{engine}")
+        typer.echo(f"{model_id}\t{engine}" + _naming_text(raw))
 
 
 @models_app.command("show")

@@ -298,8 +298,10 @@ def test_models_cli_refuses_values_the_drafter_cannot_take(tmp_path, pair):
     assert r.exit_code == 0, r.output
     r = run(app, ["models", "set", "m", f"dflash_draft_model={tmp_path / 'nowhere'}", "--settings", str(path)])
     assert r.exit_code == 2 and "dflash_draft_model" in r.output
+    r = run(app, ["models", "set", "m", "model_alias=tiny", "is_default=true", "--settings", str(path)])
+    assert r.exit_code == 0, r.output
     r = run(app, ["models", "list", "--settings", str(path)])
-    assert f"m\tdflash\t{drafter}\tblock 4" in r.output
+    assert f"m\tdflash\t{drafter}\tblock 4\talias tiny\tdefault\n" in r.output
     # The built-in model is listed as `serve` runs it: with its shipped drafter, block size auto.
     assert "SmolLM2-135M-Instruct\tdflash\t" in r.output and "smollm2-135m-dflash2\tblock auto" in r.output
     r = run(app, ["models", "show", "m", "--settings", str(path)])
