@@ -131,10 +131,11 @@ continue_run data-all7.jsonl run-s7 run-s6 700 7 features-d.safetensors features
 
 # 9. 1024 prompts the target writes itself (make_magpie_prompts.py, seed 1: the chat template
 #    up to a user turn, sampled at T=1, top-p 0.95; one in five free-form, the others from
-#    openers of the five forms; ~38 min, partly shared), their responses (184k tokens: 33 min
-#    at 92 tok/s, partly shared) and features (15 min), then run-s7 continued on all records
-#    with the last 64 of the new ones held out (500 steps at lr 1e-3, both BLAS threads on an
-#    otherwise quiet CPU: 34 min).
+#    openers of the five forms; 12 min, mostly quiet), their responses (185k tokens: 32 min
+#    at 97 tok/s) and features (14 min), then run-s7 continued on all records with the last
+#    64 of the new ones held out (500 steps at lr 1e-3, both BLAS threads, tests beside it
+#    part of the time: 48 min at 3.3-4.6 s a step; held-out CE 3.56, position-1 top-1 0.454
+#    at step 500).
 python "$HERE/make_magpie_prompts.py" prompts-m1.jsonl --n 1024 --seed 1 --batch 64
 dflash2-mlx train --data-only --prompts prompts-m1.jsonl --data data-m1.jsonl --out run-data-m \
     --prompt-limit 1024 --gen-max-tokens 256 --gen-batch-size 64 --gen-temp 0
@@ -145,12 +146,13 @@ continue_run data-all8.jsonl run-s8 run-s7 500 8 features-d.safetensors features
     features-d3.safetensors features-m1.safetensors
 
 # 10. 1024 more prompts the target wrote itself (the maker's first 2048 with seed 1; the first
-#    1024 are prompts-m1.jsonl: ~20 min on a quiet CPU), their responses, the first 512
-#    greedy (95k tokens: 16 min at 97 tok/s) and the last 512 sampled at T=1 (98k tokens:
-#    17 min at 96 tok/s; T=1 serving drafts after sampled tokens, and until now every
+#    1024 are prompts-m1.jsonl: ~29 min of work, tests sharing the CPU), their responses, the
+#    first 512 greedy (95k tokens: ~18 min at 93 tok/s) and the last 512 sampled at T=1 (99k
+#    tokens: 21 min at 80 tok/s; T=1 serving drafts after sampled tokens, and until now every
 #    response was greedy), features (16 min), then run-s8 continued on all records with the
 #    last 64 of the new ones held out (500 steps at lr 1e-3, both BLAS threads on an
-#    otherwise quiet CPU: 33 min).
+#    otherwise quiet CPU: 33 min at 2.8-3.9 s a step; held-out CE 4.96, KL 3.05, position-1
+#    top-1 0.251 at step 500: a sampled label is often not the target's own top-1).
 data_round make_magpie_prompts.py 2048 prompts-m2.jsonl prompts-m1.jsonl data-m2.jsonl data-m1.jsonl m2new 1536
 cat data-all8.jsonl data-m2new.jsonl > data-all9.jsonl
 continue_run data-all9.jsonl run-s9 run-s8 500 9 features-d.safetensors features-d2.safetensors \
