@@ -165,7 +165,7 @@ continue_run data-all9.jsonl run-s9 run-s8 500 9 features-d.safetensors features
 #    continued on all records with the last 64 of the new ones held out (500 steps at lr 1e-3,
 #    both BLAS threads on an otherwise quiet CPU: 34 min).
 data_round make_magpie_prompts.py 3072 prompts-m3.jsonl prompts-m2.jsonl data-m3.jsonl data-m2.jsonl m3new 2432
-cat run-s9/data-clean.jsonl data-m3new.jsonl > data-all10.jsonl
+cat data-all9.jsonl data-m3new.jsonl > data-all10.jsonl
 continue_run data-all10.jsonl run-s10 run-s9 500 10 features-d.safetensors features-d2.safetensors \
     features-d3.safetensors features-m1.safetensors features-m2new.safetensors features-m3new.safetensors
 
@@ -180,7 +180,7 @@ SHIP=(--bits 8 --data data-all10.jsonl --previous run-s4/final --previous run-s5
       --previous run-s7/final --previous run-s8/final --previous run-s9/final --domain --magpie --sampled 512 640
       --warm-layers 28,29)
 python "$T" ship run-s10/final shipped-s10 "${SHIP[@]}"
-python "$T" ship run-s9/final shipped-s9 --bits 8 --data run-s9/data-clean.jsonl --previous run-s4/final \
+python "$T" ship run-s9/final shipped-s9 --bits 8 --data data-all9.jsonl --previous run-s4/final \
     --previous run-s5/final --previous run-s6/final --previous run-s7/final --previous run-s8/final --domain --magpie \
     --sampled 512
 # "before": the DFlash 2 drafter in the package until this line replaces it (keep this one
