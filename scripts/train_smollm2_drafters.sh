@@ -159,11 +159,12 @@ continue_run data-all9.jsonl run-s9 run-s8 500 9 features-d.safetensors features
     features-d3.safetensors features-m1.safetensors features-m2new.safetensors
 
 # 11. 1024 more prompts the target wrote itself (the maker's first 3072 with seed 1; the first
-#    2048 are prompts-m2.jsonl: 24 min, partly shared), their responses, the first 384 greedy
-#    (73k tokens: 12 min at 99 tok/s) and the last 640 sampled at T=1 (124k tokens: 22 min at
-#    93 tok/s; a larger T=1 share than stage 10's half), features (16 min), then run-s9
+#    2048 are prompts-m2.jsonl: 20 min, mostly quiet), their responses, the first 384 greedy
+#    (73k tokens: 13 min at 95 tok/s) and the last 640 sampled at T=1 (119k tokens: 21 min at
+#    95 tok/s; a larger T=1 share than stage 10's half), features (13 min), then run-s9
 #    continued on all records with the last 64 of the new ones held out (500 steps at lr 1e-3,
-#    both BLAS threads on an otherwise quiet CPU: 34 min).
+#    both BLAS threads on an otherwise quiet CPU: 30 min at 2.8-5.5 s a step; held-out CE
+#    4.87, KL 2.76, position-1 top-1 0.274 at step 500).
 data_round make_magpie_prompts.py 3072 prompts-m3.jsonl prompts-m2.jsonl data-m3.jsonl data-m2.jsonl m3new 2432
 cat data-all9.jsonl data-m3new.jsonl > data-all10.jsonl
 continue_run data-all10.jsonl run-s10 run-s9 500 10 features-d.safetensors features-d2.safetensors \
