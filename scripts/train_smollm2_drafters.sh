@@ -176,8 +176,8 @@ continue_run data-all10.jsonl run-s10 run-s9 500 10 features-d.safetensors featu
 
 # 12. Quantize (8-bit Linear weights, fp16 selector codebooks) into the package with the
 #    evaluation on the five sets in its README (~8 min), and compare the shipped copies'
-#    offline tau with the fp32 runs. The from-scratch run (sessions 12-18, ~14 h in all) wrote
-#    the shipped v1 drafter byte for byte, and a DFlash 2 drafter level with the shipped one
+#    offline tau with the fp32 runs. The from-scratch run (sessions 12-18, ~14 h in all; the
+#    shipped v1 drafter is its stage 4's) wrote a DFlash 2 drafter level with the shipped one
 #    (tau at block 5 1.76 vs 1.79 at T=0, 1.60 vs 1.60 at T=1, selector tau 2.03 vs 2.01,
 #    oracle tau@16 3.00 vs 3.01): not better, so the shipped one was kept.
 DEST="$HERE/../dflash2_mlx/drafters"
