@@ -57,6 +57,12 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Min-p filter (0 = off)."),
+    min_tokens_to_keep: int = typer.Option(
+        1, "--min-tokens-to-keep", min=1, help="Tokens the min-p filter always keeps."),
+    xtc_probability: float = typer.Option(
+        0.0, "--xtc-probability", help="XTC: the chance, per token, that the likeliest tokens are excluded (0 = off)."),
+    xtc_threshold: float = typer.Option(
+        0.1, "--xtc-threshold", help="XTC: tokens above this probability but the least likely of them are excluded ([0, 0.5])."),
     block_size: str = typer.Option(
         "auto", "--block-size", help="Block size (anchor + drafted tokens): 'auto' chooses it every cycle from measured costs and live acceptance (1 = plain decoding); a number in 1..the drafter's trained size fixes it."),
     num_draft_tokens: Optional[int] = typer.Option(
@@ -93,6 +99,7 @@ def generate(
 
     from dflash2_mlx import load, stream_generate
     from dflash2_mlx.generate import chat_ids, stats_line
+    from dflash2_mlx.sampling import xtc_special_tokens
 
     if (prompt is None) == (messages_file is None):
         raise typer.BadParameter("give exactly one of --prompt or --messages-file")
@@ -130,7 +137,9 @@ def generate(
                              f"chat template ({why})")
         for last in stream_generate(
                 target, tokenizer, prompt, drafter, max_tokens=max_tokens, temp=temp,
-                top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size,
+                top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
+                xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                xtc_special_tokens=xtc_special_tokens(tokenizer), block_size=block_size,
                 verify_mode=verify_mode, seed=seed, draft_window=draft_window, draft_sink=draft_sink, lookup=copies,
                 prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
                 quantized_kv_start=quantized_kv_start):

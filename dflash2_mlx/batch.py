@@ -515,18 +515,23 @@ class BatchResult:
 def stream_batch_generate(model, tokenizer, prompts: Sequence, drafter: Drafter, *,
                           max_tokens: Union[int, List[int]] = 256, temp: float = 0.0,
                           top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0,
+                          min_tokens_to_keep: int = 1, xtc_probability: float = 0.0,
+                          xtc_threshold: float = 0.1, xtc_special_tokens: Sequence[int] = (),
                           logits_processors: Optional[List[Callable]] = None,
                           block_size=adaptive.AUTO, seed: Optional[int] = None,
                           **kwargs) -> Iterator[Response]:
     """Generate from every prompt (text, token ids or chat messages) in one batch; yield
     each token's ``Response`` as it comes (``uid`` = the prompt's index).  ``seed``: the
-    whole batch's random draws.  Other keywords go to ``BatchGenerator``."""
+    whole batch's random draws; sampling as in ``stream_generate``.  Other keywords go to
+    ``BatchGenerator``."""
     from .generate import encode_prompt
 
     if seed is not None:
         mx.random.seed(seed)
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    params = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    params = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k,
+                            min_tokens_to_keep=min_tokens_to_keep, xtc_probability=xtc_probability,
+                            xtc_threshold=xtc_threshold, xtc_special_tokens=tuple(xtc_special_tokens))
     gen = BatchGenerator(model, drafter, block_size=block_size, **kwargs)
     for prompt, limit in zip(prompts, limits):
         gen.insert(encode_prompt(tokenizer, prompt), max_tokens=limit, params=params,

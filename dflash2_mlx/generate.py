@@ -150,7 +150,9 @@ def check_block_size(drafter: Drafter, block_size: Union[int, str, None]) -> Uni
 
 def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None, *,
                     max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0,
-                    min_p: float = 0.0, top_k: int = 0,
+                    min_p: float = 0.0, top_k: int = 0, min_tokens_to_keep: int = 1,
+                    xtc_probability: float = 0.0, xtc_threshold: float = 0.1,
+                    xtc_special_tokens: Optional[Sequence[int]] = None,
                     logits_processors: Optional[List[Callable]] = None,
                     block_size: Union[int, str, None] = adaptive.AUTO, verify_mode: str = "dflash",
                     seed: Optional[int] = None, prefill_step_size: int = 2048,
@@ -175,14 +177,18 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     draft accepted but not yielded), so a chat continued from it is mlx-lm's own; the
     drafter's context of those tokens is kept beside it (``chat_context``).
     ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``: mlx-lm's KV cache quantization,
-    applied where mlx-lm applies it."""
+    applied where mlx-lm applies it.
+    Sampling takes ``mlx_lm.sample_utils.make_sampler``'s arguments (XTC's special tokens:
+    none unless given, as there; mlx-lm's CLI and server give "\n" and the EOS tokens)."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if max_tokens == 0 or max_tokens < -1:
         raise ValueError(f"max_tokens must be positive (or -1 for no limit), got {max_tokens}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    params = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    params = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k,
+                            min_tokens_to_keep=min_tokens_to_keep, xtc_probability=xtc_probability,
+                            xtc_threshold=xtc_threshold, xtc_special_tokens=tuple(xtc_special_tokens or ()))
     ids = encode_prompt(tokenizer, prompt)
     limit = max_tokens if max_tokens > 0 else float("inf")
     if seed is not None:
@@ -214,7 +220,9 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             quantized_kv_start=quantized_kv_start,
         )
     else:
-        sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, top_k=top_k)
+        sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, min_tokens_to_keep, top_k=top_k,
+                               xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                               xtc_special_tokens=list(params.xtc_special_tokens))
         plain = generate_step(ids[cached_tokens:], model, max_tokens=max_tokens, sampler=sampler,
                               logits_processors=logits_processors, prompt_cache=prompt_cache,
                               prefill_step_size=prefill_step_size, kv_bits=kv_bits,

@@ -1,13 +1,18 @@
 """Target and draft distributions, and the accept rules of verification.
 
 ``p`` is exactly what a plain mlx-lm run samples from: logits processors (with the
-token history up to that row), log-softmax, then mlx-lm's own top-p, min-p and
+token history up to that row), log-softmax, then mlx-lm's own top-p, min-p, XTC and
 top-k filters in its order, then ``softmax(logprobs / temp)``.  Rejection sampling
 then makes every emitted token distributed as under ``p``, whatever ``q`` was.
+
+XTC ("exclude top choices") is a coin flip per token in mlx-lm: with probability
+``xtc_probability`` the tokens above ``xtc_threshold`` but the least likely of them are
+removed.  The token a plain step emits is then drawn from the mixture
+``(1 - P) * p_kept + P * p_removed``, and that mixture is this module's ``p``.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -20,6 +25,9 @@ class SamplingParams:
     min_p: float = 0.0
     top_k: int = 0
     min_tokens_to_keep: int = 1
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: Tuple[int, ...] = ()  # never removed by XTC (mlx-lm's CLI: "\n" and EOS)
 
     def __post_init__(self):
         if self.temp < 0:
@@ -30,6 +38,13 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.min_tokens_to_keep < 1:
+            raise ValueError(f"min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")
+        if not 0 <= self.xtc_probability <= 1.0:
+            raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
+        if not 0 <= self.xtc_threshold <= 0.5:
+            raise ValueError(f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}")
+        self.xtc_special_tokens = tuple(int(t) for t in self.xtc_special_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -64,11 +79,28 @@ def processed_logprobs(logits: mx.array, history: mx.array, block: mx.array,
     return log_softmax(processed_logits(logits, history, block, processors))
 
 
-def filtered(logprobs: mx.array, params: SamplingParams) -> mx.array:
+def xtc_removed(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """``logprobs`` with XTC's cut made (mlx-lm's ``apply_xtc`` when its coin says cut):
+    every token whose probability beats the least likely one above the threshold goes,
+    but the special tokens."""
+    p = mx.softmax(logprobs, axis=-1)
+    least = mx.where(p > params.xtc_threshold, p, mx.inf).min(axis=-1, keepdims=True)
+    cut = p > least
+    if params.xtc_special_tokens:
+        special = mx.zeros((logprobs.shape[-1],), dtype=mx.bool_)
+        special[mx.array(params.xtc_special_tokens)] = True
+        cut = cut & ~special
+    return mx.where(cut, -mx.inf, logprobs)
+
+
+def filtered(logprobs: mx.array, params: SamplingParams, xtc: bool = False) -> mx.array:
+    """mlx-lm's sampler chain; ``xtc``: the branch where XTC's coin says cut."""
     if 0 < params.top_p < 1.0:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p != 0.0:
         logprobs = apply_min_p(logprobs, params.min_p, params.min_tokens_to_keep)
+    if xtc:
+        logprobs = xtc_removed(logprobs, params)
     if params.top_k > 0:
         logprobs = apply_top_k(logprobs, params.top_k)
     return logprobs
@@ -76,12 +108,18 @@ def filtered(logprobs: mx.array, params: SamplingParams) -> mx.array:
 
 def probs(logprobs: mx.array, params: SamplingParams) -> mx.array:
     """The distribution mlx-lm's sampler draws from, for temp > 0."""
-    return mx.softmax(filtered(logprobs, params) * (1.0 / params.temp), axis=-1, precise=True)
+    p = mx.softmax(filtered(logprobs, params) * (1.0 / params.temp), axis=-1, precise=True)
+    if params.xtc_probability > 0:
+        cut = mx.softmax(filtered(logprobs, params, xtc=True) * (1.0 / params.temp), axis=-1, precise=True)
+        p = (1 - params.xtc_probability) * p + params.xtc_probability * cut
+    return p
 
 
 def sample(logprobs: mx.array, params: SamplingParams) -> mx.array:
     if params.greedy:
         return mx.argmax(logprobs, axis=-1)
+    if params.xtc_probability > 0:
+        return mx.random.categorical(mx.log(probs(logprobs, params)))
     return mx.random.categorical(filtered(logprobs, params) * (1.0 / params.temp))
 
 
@@ -155,3 +193,8 @@ def verify_sampled(logits: mx.array, q: mx.array, draft: mx.array, params: Sampl
         else:
             continue
         return i, int(token.item()), mx.concatenate(rows)
+
+
+def xtc_special_tokens(tokenizer) -> List[int]:
+    """The tokens XTC never removes where mlx-lm's CLI and server sample: "\\n" and EOS."""
+    return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)

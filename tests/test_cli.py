@@ -67,7 +67,8 @@ def test_help_lists_every_option():
     for opt in ["--model", "--draft", "--prompt", "--messages-file", "--max-tokens", "--temp",
                 "--top-p", "--top-k", "--min-p", "--block-size", "--draft-bits", "--seed",
                 "--verbose", "--copies", "--no-copies", "--system-prompt", "--prefill-response",
-                "--chat-template-config", "--extra-eos-token", "--prefill-step-size", "--draft-model"]:
+                "--chat-template-config", "--extra-eos-token", "--prefill-step-size", "--draft-model",
+                "--min-tokens-to-keep", "--xtc-probability", "--xtc-threshold"]:
         assert opt in r.stdout
     top = run("--help").stdout
     for cmd in ["generate", "doctor", "train", "eval", "serve", "models"]:
@@ -99,6 +100,43 @@ def test_chat_options_as_mlx_lm_generate_has_them(pair, tmp_path):
     stops = run("generate", "--model", str(tmp_path / "t"), "--draft", str(pair / "d"), "--prompt",
                 "abcab dcba", "--max-tokens", "24", "--extra-eos-token", "c")
     assert "c" not in stops.stdout and "generation 24 tokens" not in stops.stderr
+
+
+def test_xtc_and_min_tokens_to_keep_as_mlx_lm_generate_has_them(pair):
+    """Plain decoding samples them with mlx-lm's own sampler and special tokens ("\\n" and
+    EOS), so a seed gives mlx-lm's text (seeded where generation starts: mlx_lm.generate
+    seeds before loading the model, whose initialisation draws from the same stream); DFlash
+    takes them as the Python API does."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from dflash2_mlx.sampling import xtc_special_tokens
+
+    opts = ["--prompt", "abcab dcba", "--max-tokens", "24", "--temp", "1.0", "--min-p", "0.05",
+            "--min-tokens-to-keep", "2", "--xtc-probability", "0.9", "--xtc-threshold", "0.05", "--seed", "4"]
+    model, tok, drafter = d.load(str(pair / "t"), str(pair / "d"))
+    chat = [{"role": "user", "content": "abcab dcba"}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True)
+    special = xtc_special_tokens(tok)
+
+    def mlx_lm_plain(xtc):
+        mx.random.seed(4)
+        sampler = make_sampler(1.0, min_p=0.05, min_tokens_to_keep=2, xtc_probability=xtc,
+                               xtc_threshold=0.05, xtc_special_tokens=special)
+        return "".join(r.text for r in mlx_lm.stream_generate(model, tok, ids, max_tokens=24, sampler=sampler))
+
+    plain = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--verify-mode", "off", *opts)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == mlx_lm_plain(0.9) + "\n" and mlx_lm_plain(0.9) != mlx_lm_plain(0.0)
+    ours = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), *opts)
+    kw = dict(max_tokens=24, temp=1.0, min_p=0.05, min_tokens_to_keep=2, xtc_threshold=0.05,
+              xtc_special_tokens=special, seed=4)
+    want = d.generate(model, tok, chat, drafter, xtc_probability=0.9, **kw)
+    assert want != d.generate(model, tok, chat, drafter, xtc_probability=0.0, **kw)
+    assert ours.stdout == want + "\n"
+    bad = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), *opts, "--xtc-threshold", "0.7")
+    assert bad.returncode == 2 and "xtc_threshold must be in [0, 0.5], got 0.7" in bad.stderr
 
 
 def make_adapter(target, path, seed=7):

@@ -99,6 +99,28 @@ def test_sampling_follows_seed(engine, reference):
     assert others - {greedy}  # temperature is really applied
 
 
+def test_xtc_options_reach_the_sampler(engine, reference):
+    """min_tokens_to_keep / xtc_* as mlx-lm's server takes them: XTC sparing "\n" and EOS; a
+    value mlx-lm refuses is refused when the request is made, naming the option."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash2_mlx.sampling import xtc_special_tokens
+
+    opts = dict(temperature=1.0, seed=7, min_p=0.05, min_tokens_to_keep=2, xtc_probability=0.9,
+                xtc_threshold=0.05, logit_bias=NO_EOS)
+    got = run(engine.generate("hello world", max_tokens=16, **opts))
+    api = dict(temp=1.0, seed=7, min_p=0.05, min_tokens_to_keep=2, xtc_probability=0.9,
+               xtc_threshold=0.05, xtc_special_tokens=xtc_special_tokens(engine.tokenizer),
+               logits_processors=make_logits_processors(logit_bias=NO_EOS))
+    assert got.text == reference("hello world", max_tokens=16, **api)
+    assert got.text != reference("hello world", max_tokens=16, **{**api, "xtc_probability": 0.0})
+    for name, bad in (("xtc_threshold", 0.7), ("xtc_probability", -0.1), ("min_tokens_to_keep", 0),
+                      ("temperature", -1.0)):
+        with pytest.raises(InvalidOption, match=name.replace("temperature", "temp")) as e:
+            engine.stream_generate("hello world", **{name: bad})
+        assert e.value.param == name
+
+
 def test_model_penalties_are_defaults_a_request_overrides(models, reference):
     """model_settings.json's repetition_penalty / presence_penalty (oMLX's fields) apply to
     requests that send none; a request's own wins (1.0 / 0.0: none at all)."""

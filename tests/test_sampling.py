@@ -1,10 +1,11 @@
 """Sampling is lossless: DFlash's emitted tokens follow the target's own sampling
 distribution exactly, for v1 (q = drafter distribution) and v2 (q over the
-selector's candidates), with temperature, top-p, top-k, min-p and a logits processor.
+selector's candidates), with temperature, top-p, top-k, min-p, XTC and a logits processor.
 
 The exact distribution of the first three generated tokens is enumerated with an
 independent numpy re-implementation of mlx-lm's sampling rules (processors, then
-top-p, min-p, top-k on log-probabilities, then softmax(x / temp)) from the target's
+top-p, min-p, XTC, top-k on log-probabilities, then softmax(x / temp); XTC a coin per
+token) from the target's
 own logits.  A chi-square goodness-of-fit test over N seeded runs (bins with an
 expected count below 5 merged) must not reject at significance 1e-3; as a power
 check the same samples must be rejected against the distribution at a different
@@ -45,7 +46,7 @@ def setup(tmp_path_factory):
     return out
 
 
-def ref_probs(logits, history, temp, top_p=1.0, top_k=0, min_p=0.0, rep=None):
+def ref_probs(logits, history, temp, top_p=1.0, top_k=0, min_p=0.0, rep=None, xtc=None):
     x = np.array(logits, dtype=np.float64)
     if rep is not None:
         penalty, ctx = rep
@@ -59,12 +60,28 @@ def ref_probs(logits, history, temp, top_p=1.0, top_k=0, min_p=0.0, rep=None):
             keep[j] &= p[p > p[j]].sum() < top_p
     if min_p:
         keep &= lp >= lp[keep].max() + np.log(min_p)
-    if top_k:
-        order = np.argsort(-np.where(keep, lp, -np.inf))
-        keep[order[top_k:]] = False
-    z = np.where(keep, lp / temp, -np.inf)
-    e = np.exp(z - z.max())
-    return e / e.sum()
+
+    def finish(keep):
+        keep = keep.copy()
+        if top_k:
+            order = np.argsort(-np.where(keep, lp, -np.inf))
+            keep[order[top_k:]] = False
+        z = np.where(keep, lp / temp, -np.inf)
+        e = np.exp(z - z.max())
+        return e / e.sum()
+
+    if xtc is None:
+        return finish(keep)
+    # XTC: with chance P, drop every token likelier than the least likely one above the
+    # threshold (of the distribution top-p / min-p left), special tokens excepted.
+    P, threshold, special = xtc
+    pf = np.where(keep, np.exp(lp), 0.0)
+    pf /= pf.sum()
+    cut = np.zeros_like(keep)
+    if (pf > threshold).any():
+        cut = pf > pf[pf > threshold].min()
+        cut[list(special)] = False
+    return (1 - P) * finish(keep) + P * finish(keep & ~cut)
 
 
 def exact_joint(model, prompt, n, **kw):
@@ -108,7 +125,17 @@ CASES = [
     (2, dict(temp=1.2, top_k=4, min_p=0.05, rep=(1.6, 4))),
     ("1-vocab", dict(temp=1.0)),
     ("2-vocab", dict(temp=0.9, top_p=0.95)),
+    (2, dict(temp=1.0, xtc=(0.6, 0.1, ()))),
+    (1, dict(temp=0.8, min_p=0.02, top_k=4, xtc=(0.8, 0.15, (1,)))),
 ]
+
+
+def params_of(kw) -> SamplingParams:
+    xtc = kw.get("xtc")
+    other = {k: v for k, v in kw.items() if k != "xtc"}
+    if xtc is None:
+        return SamplingParams(**other)
+    return SamplingParams(**other, xtc_probability=xtc[0], xtc_threshold=xtc[1], xtc_special_tokens=xtc[2])
 
 
 def sampled_runs(model, drafter, prompt, params, procs, n=N):
@@ -135,7 +162,7 @@ def test_first_tokens_follow_target_distribution(setup, version, kw):
     model, tok, drafter = setup[version]
     prompt = tok.encode(PROMPT)
     rep = kw.pop("rep", None)
-    params = SamplingParams(**kw)
+    params = params_of(kw)
     procs = make_logits_processors(repetition_penalty=rep[0], repetition_context_size=rep[1]) if rep else None
     counts, totals = sampled_runs(model, drafter, prompt, params, procs)
     joint = exact_joint(model, prompt, 3, rep=rep, **kw)
@@ -145,9 +172,12 @@ def test_first_tokens_follow_target_distribution(setup, version, kw):
     # Both branches of rejection sampling ran: some drafts accepted, some rejected.
     assert 0 < totals["accepted"] < 2 * totals["cycles"]
     # Power: the same samples reject a nearby wrong distribution.
-    wrong = exact_joint(model, prompt, 3, rep=rep, **{**kw, "temp": kw["temp"] * 2})
-    assert chi2_pvalue({k: v for k, v in counts.items() if k in wrong}, wrong,
-                       sum(v for k, v in counts.items() if k in wrong)) < ALPHA
+    wrong = [exact_joint(model, prompt, 3, rep=rep, **{**kw, "temp": kw["temp"] * 2})]
+    if "xtc" in kw:  # ... and the target's distribution without XTC
+        wrong.append(exact_joint(model, prompt, 3, rep=rep, **{**kw, "xtc": None}))
+    for w in wrong:
+        assert chi2_pvalue({k: v for k, v in counts.items() if k in w}, w,
+                           sum(v for k, v in counts.items() if k in w)) < ALPHA
 
 
 # With top-p this target never samples the copied token (its rejections are tested there).
@@ -172,3 +202,39 @@ def test_copied_blocks_follow_target_distribution(setup, kw, accepts):
     wrong = exact_joint(model, prompt, 3, rep=rep, **{**kw, "temp": kw["temp"] * 2})
     assert chi2_pvalue({k: v for k, v in counts.items() if k in wrong}, wrong,
                        sum(v for k, v in counts.items() if k in wrong)) < ALPHA
+
+
+@pytest.mark.parametrize("temp,top_k,min_p,xtc", [(1.0, 0, 0.0, (0.5, 0.1, ())),
+                                                  (0.9, 4, 0.1, (0.8, 0.13, (0,)))])
+def test_xtc_mixture_is_mlx_lms_sampler(temp, top_k, min_p, xtc):
+    """``probs`` with XTC is the distribution of mlx-lm's own sampler (a coin per token, then
+    its chain), checked against draws of ``make_sampler`` and the numpy reference."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from dflash2_mlx.sampling import log_softmax, probs
+
+    logits = np.log(np.array([0.3, 0.25, 0.2, 0.12, 0.08, 0.05])) + 0.3
+    params = params_of(dict(temp=temp, top_k=top_k, min_p=min_p, xtc=xtc))
+    ours = np.array(probs(log_softmax(mx.array(logits, dtype=mx.float32)[None]), params)[0])
+    ref = ref_probs(logits, [], temp, top_k=top_k, min_p=min_p, xtc=xtc)
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
+    sampler = make_sampler(temp, min_p=min_p, top_k=top_k, xtc_probability=xtc[0],
+                           xtc_threshold=xtc[1], xtc_special_tokens=list(xtc[2]))
+    mx.random.seed(0)
+    lp = log_softmax(mx.array(logits, dtype=mx.float32)[None])
+    n = 4000
+    draws = np.array([sampler(lp).item() for _ in range(n)])
+    counts = {(t,): int((draws == t).sum()) for t in range(len(logits)) if (draws == t).any()}
+    joint = {(t,): float(p) for t, p in enumerate(ref) if p > 0}
+    assert chi2_pvalue(counts, joint, n) > ALPHA
+    # Power: the same draws reject the distribution without XTC.
+    plain = ref_probs(logits, [], temp, top_k=top_k, min_p=min_p)
+    kept = {k: v for k, v in counts.items() if plain[k[0]] > 0}
+    assert chi2_pvalue(kept, {(t,): float(p) for t, p in enumerate(plain) if p > 0},
+                       sum(kept.values())) < ALPHA
+
+
+def test_sampling_params_refuse_what_mlx_lm_refuses():
+    for bad in (dict(xtc_probability=1.5), dict(xtc_threshold=0.6), dict(min_tokens_to_keep=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(temp=1.0, **bad)

@@ -169,7 +169,12 @@ def test_completions_equal_generate(client, reference):
     assert text == r.choices[0].text
 
 
-def test_sampling_parameters_are_honoured(client, reference):
+def test_sampling_parameters_are_honoured(server, client, reference):
+    from mlx_lm import load as lm_load
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash2_mlx.sampling import xtc_special_tokens
+
     def chat(**kw):
         return client.chat.completions.create(model="tiny", messages=CHAT, **kw).choices[0]
 
@@ -177,6 +182,14 @@ def test_sampling_parameters_are_honoured(client, reference):
     assert a.message.content == b.message.content == reference(CHAT, max_tokens=16, temp=1.0, seed=7)
     greedy = reference(CHAT, max_tokens=16)
     assert {chat(max_tokens=16, temperature=1.0, seed=s).message.content for s in (1, 2, 3)} - {greedy}
+    # mlx-lm's server options beyond OpenAI's: min_tokens_to_keep and XTC (sparing "\n" and EOS).
+    xtc = dict(min_p=0.05, min_tokens_to_keep=2, xtc_probability=0.9, xtc_threshold=0.05)
+    got = chat(max_tokens=16, temperature=1.0, seed=7, logit_bias={"1": -100}, extra_body=xtc)
+    special = xtc_special_tokens(lm_load(str(server["target"]))[1])
+    ref = dict(max_tokens=16, temp=1.0, seed=7, xtc_special_tokens=special,
+               logits_processors=make_logits_processors(logit_bias={1: -100.0}))
+    assert got.message.content == reference(CHAT, **ref, **xtc)
+    assert got.message.content != reference(CHAT, **ref, **{**xtc, "xtc_probability": 0.0})
     # top_p keeps only the most likely token: sampling at T=1 becomes greedy.
     assert chat(max_tokens=16, temperature=1.0, top_p=1e-6, seed=3).message.content == greedy
     full = reference(CHAT, max_tokens=40)
@@ -199,6 +212,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "xtc_threshold": 0.6}, 400, "xtc_threshold"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "xtc_probability": 2}, 400, "xtc_probability"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "min_tokens_to_keep": 0}, 400, "min_tokens_to_keep"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": "9"}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 2}, 400, "n"),

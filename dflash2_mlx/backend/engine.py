@@ -262,7 +262,8 @@ _DONE = object()
 _ids = itertools.count(1)
 
 # OpenAI-style request options -> stream_generate / logits processor options.
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep",
+                 "xtc_probability", "xtc_threshold", "seed", "stop",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
@@ -437,8 +438,9 @@ class Engine:
 
     def stream_generate(self, prompt, *, request_id: Optional[str] = None, **params) -> AsyncIterator[Chunk]:
         """Stream a completion of ``prompt`` (text or token ids). Options: max_tokens,
-        temperature, top_p, top_k, min_p, seed, stop, presence/frequency/repetition
-        penalties, logit_bias. Raises PromptTooLong, QueueFull or EngineError."""
+        temperature, top_p, top_k, min_p, min_tokens_to_keep, xtc_probability, xtc_threshold
+        (XTC spares "\n" and EOS, as mlx-lm's server does), seed, stop,
+        presence/frequency/repetition penalties, logit_bias. Raises PromptTooLong, QueueFull or EngineError."""
         return self._stream(self.encode(prompt), params, request_id)
 
     def stream_chat(self, messages: List[dict], tools: Optional[List[dict]] = None, *,
@@ -464,6 +466,13 @@ class Engine:
             raise InvalidOption("max_tokens", f"max_tokens {params['max_tokens']} is beyond this "
                                 f"model's context window of {self.context_window} tokens")
         self._check_running()
+        from ..sampling import SamplingParams
+
+        try:  # here, not when the request runs: the caller learns which option is wrong
+            SamplingParams(**self._sampling(params))
+        except ValueError as e:
+            name = str(e).split()[0]
+            raise InvalidOption("temperature" if name == "temp" else name, str(e)) from None
         request = _Request(request_id or f"req-{next(_ids)}", ids, params, tools)
         if request.id in self._requests:
             raise EngineError(f"request id {request.id} is already in use")
@@ -557,10 +566,18 @@ class Engine:
 
     def _sampling(self, p: dict) -> dict:
         s = self.settings
+        xtc, special = first_set(p.get("xtc_probability"), 0.0), ()
+        if xtc:
+            from ..sampling import xtc_special_tokens
+
+            special = tuple(xtc_special_tokens(self.tokenizer))
         return dict(temp=first_set(p.get("temperature"), s.temperature, 0.0),
                     top_p=first_set(p.get("top_p"), s.top_p, 1.0),
                     top_k=first_set(p.get("top_k"), s.top_k, 0),
-                    min_p=first_set(p.get("min_p"), s.min_p, 0.0))
+                    min_p=first_set(p.get("min_p"), s.min_p, 0.0),
+                    min_tokens_to_keep=first_set(p.get("min_tokens_to_keep"), 1),
+                    xtc_probability=xtc, xtc_threshold=first_set(p.get("xtc_threshold"), 0.1),
+                    xtc_special_tokens=special)
 
     def _block_policy(self):
         """The batch's block size: fixed, "auto", or (verify mode "adaptive" with a block

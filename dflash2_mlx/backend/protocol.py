@@ -33,6 +33,9 @@ class _Request(BaseModel):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
+    min_tokens_to_keep: Optional[int] = Field(None, ge=1)
+    xtc_probability: Optional[float] = Field(None, ge=0, le=1)
+    xtc_threshold: Optional[float] = Field(None, ge=0, le=0.5)
     stop: Optional[Union[str, List[str]]] = None
     seed: Optional[int] = None
     stream: bool = False
@@ -63,7 +66,8 @@ class _Request(BaseModel):
 
     def options(self) -> dict:
         """Engine generation options: only those the client set."""
-        keys = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
+        keys = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep",
+                "xtc_probability", "xtc_threshold", "stop", "seed",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
