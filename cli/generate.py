@@ -92,6 +92,8 @@ def generate(
     extra_eos_token: List[str] = typer.Option(
         [], "--extra-eos-token", help="Another token (its text or id) that ends the reply; repeatable."),
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill pass."),
+    prompt_cache_file: Optional[Path] = typer.Option(
+        None, "--prompt-cache-file", help="A prompt cache saved by mlx_lm.cache_prompt: the prompt continues after its tokens, as in mlx_lm.generate (the model defaults to the one that made it)."),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line after the text."),
 ):
     """Generate text with DFlash speculative decoding, streaming it, then a stats line."""
@@ -100,6 +102,8 @@ def generate(
     from dflash2_mlx import load, stream_generate
     from dflash2_mlx.generate import chat_ids, stats_line
     from dflash2_mlx.sampling import xtc_special_tokens
+    from dflash2_mlx.prompt_cache_file import query_ids, read_prompt_cache
+    from dflash2_mlx.smollm2 import is_builtin_target
 
     if (prompt is None) == (messages_file is None):
         raise typer.BadParameter("give exactly one of --prompt or --messages-file")
@@ -118,10 +122,16 @@ def generate(
             prompt = read_messages(messages_file)
             if system_prompt is not None:
                 raise ValueError("--system-prompt goes with --prompt; put a system message in --messages-file")
+        cache = tokenizer_config = None
+        if prompt_cache_file is not None:
+            cache, made_with, tokenizer_config = read_prompt_cache(prompt_cache_file, model, kv_bits, kv_group_size)
+            if model is None and not is_builtin_target(made_with):
+                model = made_with
         # No --model: the built-in pair (and the shipped drafter unless --draft is given).
         target, tokenizer, drafter = load(
             model, draft, draft_bits=draft_bits, draft_group_size=draft_group_size,
-            draft_activation_bits=draft_activation_bits, adapter_path=adapter_path)
+            draft_activation_bits=draft_activation_bits, adapter_path=adapter_path,
+            tokenizer_config=tokenizer_config)
         for token in extra_eos_token:
             tokenizer.add_eos_token(token)
         # As mlx_lm.generate does: a text prompt becomes a user turn of the chat template.
@@ -129,7 +139,9 @@ def generate(
         if isinstance(prompt, str) and templated:
             system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
             prompt = system + [{"role": "user", "content": prompt}]
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and cache is not None:  # what follows the cached prefix
+            prompt = query_ids(tokenizer, prompt, prefill_response, template_kwargs)
+        elif isinstance(prompt, list):
             prompt = chat_ids(tokenizer, prompt, prefill_response, template_kwargs=template_kwargs)
         elif system_prompt is not None or prefill_response is not None or template_kwargs:
             why = "--ignore-chat-template" if ignore_chat_template else "this tokenizer has no chat template"
@@ -142,7 +154,7 @@ def generate(
                 xtc_special_tokens=xtc_special_tokens(tokenizer), block_size=block_size,
                 verify_mode=verify_mode, seed=seed, draft_window=draft_window, draft_sink=draft_sink, lookup=copies,
                 prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                quantized_kv_start=quantized_kv_start):
+                quantized_kv_start=quantized_kv_start, prompt_cache=cache):
             typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:
         typer.echo(("\n" if last is not None else "") + f"error: {e}", err=True)

@@ -49,10 +49,12 @@ class GenerationResponse:
 
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
          draft_bits: Optional[int] = None, draft_group_size: int = 64,
-         draft_activation_bits: int = 32, adapter_path: Optional[str] = None):
+         draft_activation_bits: int = 32, adapter_path: Optional[str] = None,
+         tokenizer_config: Optional[dict] = None):
     """Load a target with mlx-lm and, optionally, its drafter (validated against it).
     ``adapter_path``: the target's LoRA / DoRA / full fine-tune adapters, as mlx-lm's
     ``load`` applies them (drafts are still verified by the adapted target: lossless).
+    ``tokenizer_config``: mlx-lm's (e.g. a prompt cache file's).
 
     Without ``target``: the built-in pair, SmolLM2-135M-Instruct (converted into the cache
     on first use, offline once it is there) and, unless ``draft`` is given, the DFlash 2
@@ -66,7 +68,8 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
     adapters = Path(adapter_path).expanduser() if adapter_path is not None else None
     if adapters is not None and not (adapters / "adapter_config.json").is_file():
         raise CheckpointError(f"no adapter_config.json in {adapter_path} (adapters: a directory written by mlx_lm.lora)")
-    model, tokenizer = mlx_lm.load(str(resolve(target)), adapter_path=adapters and str(adapters))
+    model, tokenizer = mlx_lm.load(str(resolve(target)), adapter_path=adapters and str(adapters),
+                                   tokenizer_config=tokenizer_config or {})
     drafter = None
     if draft is not None:
         drafter = load_drafter(draft, target=model)

@@ -118,6 +118,12 @@ def _is_current(out: Path, stamp: dict) -> bool:
         return False
 
 
+def is_builtin_target(path: PathLike, home: Optional[PathLike] = None) -> bool:
+    """Whether ``path`` is the converted built-in target's directory (no conversion)."""
+    where = Path(home or cache_home()) / MODEL_DIR
+    return Path(path).expanduser().resolve() == where.expanduser().resolve()
+
+
 def default_target_path(
     home: Optional[PathLike] = None, gguf_path: Optional[PathLike] = None
 ) -> Path:

@@ -68,7 +68,7 @@ def test_help_lists_every_option():
                 "--top-p", "--top-k", "--min-p", "--block-size", "--draft-bits", "--seed",
                 "--verbose", "--copies", "--no-copies", "--system-prompt", "--prefill-response",
                 "--chat-template-config", "--extra-eos-token", "--prefill-step-size", "--draft-model",
-                "--min-tokens-to-keep", "--xtc-probability", "--xtc-threshold"]:
+                "--min-tokens-to-keep", "--xtc-probability", "--xtc-threshold", "--prompt-cache-file"]:
         assert opt in r.stdout
     top = run("--help").stdout
     for cmd in ["generate", "doctor", "train", "eval", "serve", "models"]:
@@ -137,6 +137,42 @@ def test_xtc_and_min_tokens_to_keep_as_mlx_lm_generate_has_them(pair):
     assert ours.stdout == want + "\n"
     bad = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), *opts, "--xtc-threshold", "0.7")
     assert bad.returncode == 2 and "xtc_threshold must be in [0, 0.5], got 0.7" in bad.stderr
+
+
+def test_prompt_cache_file_as_mlx_lm_generate_reads_it(pair, tmp_path):
+    """A prefix cached by mlx_lm.cache_prompt, then a question after it: mlx_lm.generate's
+    text, with DFlash (its drafter starts without the prefix) and without; the model comes
+    from the file unless given; a file of another model, or not a cache, is one line."""
+    cache = tmp_path / "ctx.safetensors"
+    made = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(pair / "t"),
+                           "--prompt", "abcab dcba abcd dcba ab cd", "--prompt-cache-file", str(cache)],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    for opts in ([], ["--prefill-response", "ab"], ["--system-prompt", "dc"]):
+        args = ["--prompt-cache-file", str(cache), "--prompt", "bca dd", "--max-tokens", "24", *opts]
+        want = mlx_lm_text(*args) if opts != ["--prefill-response", "ab"] else None
+        for mode in ("dflash", "off"):
+            ours = run("generate", "--draft", str(pair / "d"), "--verify-mode", mode, *args)
+            assert ours.returncode == 0, ours.stderr
+            if want is not None:  # mlx_lm.generate puts its <query> in the prefill turn instead
+                assert ours.stdout == want + "\n", (opts, mode)
+            else:
+                assert ours.stdout == run("generate", "--draft", str(pair / "d"), "--verify-mode", "off",
+                                          *args).stdout
+    same = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--prompt-cache-file",
+               str(cache), "--prompt", "bca dd", "--max-tokens", "24")
+    assert same.stdout == mlx_lm_text("--prompt-cache-file", str(cache), "--prompt", "bca dd", "--max-tokens", "24") + "\n"
+    other = tmp_path / "other"
+    shutil.copytree(pair / "t", other)
+    bad = run("generate", "--model", str(other), "--prompt-cache-file", str(cache), "--prompt", "a")
+    assert bad.returncode == 2 and "than that used to create the prompt cache" in bad.stderr
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a cache")
+    bad = run("generate", "--prompt-cache-file", str(junk), "--prompt", "a")
+    assert bad.returncode == 2 and "is not a prompt cache saved by mlx_lm.cache_prompt" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    bad = run("generate", "--prompt-cache-file", str(tmp_path / "none.safetensors"), "--prompt", "a")
+    assert bad.returncode == 2 and "none.safetensors: no such file" in bad.stderr
 
 
 def make_adapter(target, path, seed=7):
