@@ -92,6 +92,8 @@ def generate(
     extra_eos_token: List[str] = typer.Option(
         [], "--extra-eos-token", help="Another token (its text or id) that ends the reply; repeatable."),
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill pass."),
+    max_kv_size: Optional[int] = typer.Option(
+        None, "--max-kv-size", min=1, help="Bound the target's KV cache to this many tokens (a rotating cache), as mlx_lm.generate does; plain decoding only (--verify-mode off)."),
     prompt_cache_file: Optional[Path] = typer.Option(
         None, "--prompt-cache-file", help="A prompt cache saved by mlx_lm.cache_prompt: the prompt continues after its tokens, as in mlx_lm.generate (the model defaults to the one that made it)."),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line after the text."),
@@ -134,12 +136,20 @@ def generate(
             tokenizer_config=tokenizer_config)
         for token in extra_eos_token:
             tokenizer.add_eos_token(token)
+        if max_kv_size is not None and cache is None:  # as in mlx_lm.generate: a cache file wins
+            if drafter is not None and verify_mode != "off":
+                raise ValueError("--max-kv-size goes with --verify-mode off: a verify pass over a "
+                                 "rotating cache would read more keys than one-token steps do, so "
+                                 "the text would not be the target's")
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(target, max_kv_size)
         # As mlx_lm.generate does: a text prompt becomes a user turn of the chat template.
         templated = not ignore_chat_template and getattr(tokenizer, "chat_template", None)
         if isinstance(prompt, str) and templated:
             system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
             prompt = system + [{"role": "user", "content": prompt}]
-        if isinstance(prompt, list) and cache is not None:  # what follows the cached prefix
+        if isinstance(prompt, list) and prompt_cache_file is not None:  # what follows the cached prefix
             prompt = query_ids(tokenizer, prompt, prefill_response, template_kwargs)
         elif isinstance(prompt, list):
             prompt = chat_ids(tokenizer, prompt, prefill_response, template_kwargs=template_kwargs)

@@ -68,7 +68,7 @@ def test_help_lists_every_option():
                 "--top-p", "--top-k", "--min-p", "--block-size", "--draft-bits", "--seed",
                 "--verbose", "--copies", "--no-copies", "--system-prompt", "--prefill-response",
                 "--chat-template-config", "--extra-eos-token", "--prefill-step-size", "--draft-model",
-                "--min-tokens-to-keep", "--xtc-probability", "--xtc-threshold", "--prompt-cache-file"]:
+                "--min-tokens-to-keep", "--xtc-probability", "--xtc-threshold", "--prompt-cache-file", "--max-kv-size"]:
         assert opt in r.stdout
     top = run("--help").stdout
     for cmd in ["generate", "doctor", "train", "eval", "serve", "models"]:
@@ -173,6 +173,16 @@ def test_prompt_cache_file_as_mlx_lm_generate_reads_it(pair, tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1
     bad = run("generate", "--prompt-cache-file", str(tmp_path / "none.safetensors"), "--prompt", "a")
     assert bad.returncode == 2 and "none.safetensors: no such file" in bad.stderr
+
+
+def test_max_kv_size_as_mlx_lm_generate_has_it_when_decoding_plain(pair):
+    args = ["--model", str(pair / "t"), "--prompt", "abcab dcba", "--max-tokens", "40", "--max-kv-size", "24"]
+    plain = run("generate", "--draft", str(pair / "d"), "--verify-mode", "off", *args)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == mlx_lm_text(*args) + "\n"
+    assert plain.stdout != mlx_lm_text(*args[:-2]) + "\n"  # the window changes this text
+    bad = run("generate", "--draft", str(pair / "d"), *args)
+    assert bad.returncode == 2 and "--max-kv-size goes with --verify-mode off" in bad.stderr
 
 
 def make_adapter(target, path, seed=7):
