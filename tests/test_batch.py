@@ -21,7 +21,7 @@ from dflash2_mlx.draft_context import DraftContext
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.speculative import speculative_generate_step
 from dflash2_mlx.target import UnsupportedTargetError, attach
-from test_sampling import chi2_pvalue, exact_joint
+from test_sampling import chi2_pvalue, exact_joint, params_of
 from test_speculative import _cache_arrays, plain_tokens
 from tiny_models import make_drafter, make_target
 
@@ -273,8 +273,8 @@ def test_seeded_sampled_sequence_matches_its_single_stream(pairs, family, block_
 
 
 def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tmp_path):
-    """Two sampled settings (one with a repetition penalty, one whose prompt repeats itself,
-    so that its blocks are often copies) and a greedy one share every batch; each sampled setting's first three tokens pass the chi-square test against the
+    """Three sampled settings (one with a repetition penalty, one whose prompt repeats itself,
+    so that its blocks are often copies, one with XTC) and a greedy one share every batch; each sampled setting's first three tokens pass the chi-square test against the
     exact target distribution and fail it against a nearby wrong one; the greedy ones stay
     exact.  600 samples a setting (test_sampling takes 1200 for one single stream)."""
     make_target(tmp_path / "t", "qwen3", alphabet="ab", seed=5, scale=1.5)
@@ -284,7 +284,8 @@ def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tm
     procs = make_logits_processors(repetition_penalty=rep[0], repetition_context_size=rep[1])
     # "abab" repeats itself: its blocks are copies where the first token continues it.
     settings = {"a": ("abab", dict(temp=1.0, top_p=0.95), None),
-                "b": ("ba", dict(temp=1.2, top_k=4, min_p=0.05), procs)}
+                "b": ("ba", dict(temp=1.2, top_k=4, min_p=0.05), procs),
+                "c": ("aab", dict(temp=1.0, xtc=(0.7, 0.1, ())), None)}
     greedy_prompt = tok.encode("bab")
     greedy_ref = plain_tokens(model, greedy_prompt, 3)
     N, per_batch = 600, 100
@@ -297,7 +298,7 @@ def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tm
         kinds = {}
         for j in range(per_batch):
             for k, (text, kw, pr) in settings.items():
-                kinds[gen.insert(tok.encode(text), max_tokens=3, params=SamplingParams(**kw),
+                kinds[gen.insert(tok.encode(text), max_tokens=3, params=params_of(kw),
                                  logits_processors=pr)] = k
             if j % 10 == 0:
                 kinds[gen.insert(greedy_prompt, max_tokens=3)] = "greedy"
@@ -322,11 +323,19 @@ def test_sampled_sequences_follow_target_distribution_while_sharing_the_batch(tm
         if k == "a":  # copies verified, a copied token sometimes accepted, sometimes not
             assert 0 < copied_blocks < cycles and 0 < copied < 2 * copied_blocks
         # Power: the samples reject a nearby wrong distribution (for the penalized setting,
-        # the same one without its penalty: the processor reached this sequence's rows).
-        wrong_kw = dict(kw, rep=None) if r else dict(kw, rep=None, temp=kw["temp"] * 2)
-        wrong = exact_joint(model, prompt, 3, **wrong_kw)
-        seen = {key: v for key, v in counts[k].items() if key in wrong}
-        assert chi2_pvalue(seen, wrong, sum(seen.values())) < 1e-3
+        # the same one without its penalty: the processor reached this sequence's rows; for
+        # XTC's, the one without XTC and the one with half its probability).
+        if r:
+            wrongs = [dict(kw)]
+        elif "xtc" in kw:
+            P, threshold, special = kw["xtc"]
+            wrongs = [dict(kw, xtc=None), dict(kw, xtc=(P / 2, threshold, special))]
+        else:
+            wrongs = [dict(kw, temp=kw["temp"] * 2)]
+        for wrong_kw in wrongs:
+            wrong = exact_joint(model, prompt, 3, **wrong_kw)
+            seen = {key: v for key, v in counts[k].items() if key in wrong}
+            assert chi2_pvalue(seen, wrong, sum(seen.values())) < 1e-3, wrong_kw
 
 
 def test_batch_generate_matches_generate(pairs):
