@@ -121,6 +121,48 @@ def test_xtc_options_reach_the_sampler(engine, reference):
         assert e.value.param == name
 
 
+def target_logprobs(model, ids, tokens, bias):
+    """The target's log-probability rows after ``ids`` + each prefix of ``tokens``, with
+    ``bias`` added to the logits (mlx-lm's logit_bias processor): one teacher-forced pass."""
+    logits = model(mx.array([ids + tokens]))[0, len(ids) - 1 : len(ids) + len(tokens) - 1].astype(mx.float32)
+    for t, b in bias.items():
+        logits[:, t] += b
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def test_logprobs_are_the_targets_own(engine):
+    """Each reply token's log-probability and its most likely alternatives, from the
+    target's rows, through DFlash cycles (and none for a request that did not ask)."""
+    got = run(engine.generate("hello world", max_tokens=20, logprobs=3, logit_bias=NO_EOS))
+    assert len(got.logprobs) == got.completion_tokens == 20
+    assert "".join(e["token"] for e in got.logprobs) == got.text
+    assert got.cycles > 0
+    tok = engine.tokenizer
+    ids = tok.encode("hello world")
+    tokens = [tok.encode(e["token"], add_special_tokens=False)[0] for e in got.logprobs]
+    rows = on_worker(lambda: target_logprobs(engine._model, ids, tokens, NO_EOS).tolist())
+    for e, t, row in zip(got.logprobs, tokens, rows):
+        assert abs(e["logprob"] - row[t]) < 1e-3 and e["bytes"] == list(e["token"].encode())
+        best = sorted(range(len(row)), key=lambda i: -row[i])[:3]
+        assert [a["token"] for a in e["top_logprobs"]] == [tok.decode([i]) for i in best]
+        assert all(abs(a["logprob"] - row[i]) < 1e-3 for a, i in zip(e["top_logprobs"], best))
+    assert run(engine.generate("hello world", max_tokens=4)).logprobs == []
+
+    async def side_by_side():  # two at once share a batch (max_batch 2): the batch's path
+        return await asyncio.gather(*(engine.generate(p, max_tokens=20, logprobs=3, logit_bias=NO_EOS)
+                                      for p in ("hello world", "hey there")))
+
+    before = engine.get_stats()["batch_steps"]
+    batched, other = run(side_by_side())
+    assert engine.get_stats()["batch_steps"] > before
+    assert batched.text == got.text and len(other.logprobs) == other.completion_tokens
+    assert [e["top_logprobs"][0]["token"] for e in batched.logprobs] == [e["token"] for e in got.logprobs]
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(batched.logprobs, got.logprobs)) < 1e-3
+    for bad in (21, -1, True, 2.0):
+        with pytest.raises(InvalidOption, match="logprobs is the number of alternatives"):
+            engine.stream_generate("hello world", logprobs=bad)
+
+
 def test_model_penalties_are_defaults_a_request_overrides(models, reference):
     """model_settings.json's repetition_penalty / presence_penalty (oMLX's fields) apply to
     requests that send none; a request's own wins (1.0 / 0.0: none at all)."""

@@ -213,6 +213,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "top_p": 0}, 400, "top_p"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "xtc_threshold": 0.6}, 400, "xtc_threshold"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "top_logprobs": 2}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 6}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "xtc_probability": 2}, 400, "xtc_probability"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "min_tokens_to_keep": 0}, 400, "min_tokens_to_keep"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
@@ -236,6 +240,29 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "chat_template_kwargs": {"tokenize": False}},
      400, "chat_template_kwargs"),
 ]
+
+
+def test_logprobs_as_openai_returns_them(server, client):
+    """Chat (logprobs / top_logprobs) and legacy completions (logprobs: n), streaming or not:
+    one entry per reply token, the same both ways; none unless asked for."""
+    ask = dict(model="tiny", messages=CHAT, max_tokens=10, logit_bias={"1": -100})
+    whole = client.chat.completions.create(**ask, logprobs=True, top_logprobs=2).choices[0]
+    entries = whole.logprobs.content
+    assert len(entries) == 10 and "".join(e.token for e in entries) == whole.message.content
+    for e in entries:  # greedy: the token is the most likely one
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+    streamed = [e for c in client.chat.completions.create(**ask, logprobs=True, top_logprobs=2, stream=True)
+                for e in ((c.choices[0].logprobs.content or []) if c.choices and c.choices[0].logprobs else [])]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+    assert client.chat.completions.create(**ask).choices[0].logprobs is None
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": "tiny", "prompt": "abcd", "max_tokens": 10,
+                                                             "logprobs": 2, "logit_bias": {"1": -100}})
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"] and len(lp["token_logprobs"]) == 10
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert all(1 <= len(t) <= 2 and max(t.values()) >= p for t, p in zip(lp["top_logprobs"], lp["token_logprobs"]))
 
 
 @pytest.mark.parametrize("path,body,status,what", BAD_REQUESTS)

@@ -86,6 +86,9 @@ class Chunk:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     engine: dict = field(default_factory=dict)  # how this request is decoded (ModelSettings.engine)
     shadows: int = 0  # plain steps that carried a shadow probe (adaptive speculation)
+    # With the request option logprobs: one entry per token of this piece, OpenAI's
+    # {token, logprob, bytes, top_logprobs} (the target's log-probabilities, as mlx-lm's).
+    logprobs: List[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Completion:
     cached_tokens: int = 0
     engine: dict = field(default_factory=dict)
     shadows: int = 0
+    logprobs: List[dict] = field(default_factory=list)
 
 
 class _Turns:
@@ -182,6 +186,30 @@ class _Reply:
         self.matcher = StopMatcher([stop] if isinstance(stop, str) else list(stop))
         self.tools = ToolCallSplitter(tokenizer, tools)
         self.made_calls = False
+        self.tokenizer, self.top = tokenizer, params.get("logprobs")
+        self.pending: List[dict] = []  # logprob entries of tokens not yet in a chunk
+
+    def token(self, token: int, logprobs, finish_reason: Optional[str]):
+        """Note a token's log-probabilities when the request asked for them (a stop token
+        is not part of the reply, nor are its)."""
+        if self.top is None or finish_reason == "stop":
+            return
+        import mlx.core as mx
+
+        top = []
+        if self.top:
+            idx = mx.argpartition(-logprobs, kth=self.top - 1)[: self.top]
+            top = sorted(zip(idx.tolist(), logprobs[idx].tolist()), key=lambda x: -x[1])
+        self.pending.append(dict(self._entry(token, logprobs[token].item()),
+                                 top_logprobs=[self._entry(i, lp) for i, lp in top]))
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def take(self) -> List[dict]:
+        out, self.pending = self.pending, []
+        return out
 
     def add(self, segment: str, finish_reason: Optional[str]):
         """A token's text and the generator's finish reason -> (content, calls, finish)."""
@@ -263,7 +291,7 @@ _ids = itertools.count(1)
 
 # OpenAI-style request options -> stream_generate / logits processor options.
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep",
-                 "xtc_probability", "xtc_threshold", "seed", "stop",
+                 "xtc_probability", "xtc_threshold", "seed", "stop", "logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
@@ -440,7 +468,8 @@ class Engine:
         """Stream a completion of ``prompt`` (text or token ids). Options: max_tokens,
         temperature, top_p, top_k, min_p, min_tokens_to_keep, xtc_probability, xtc_threshold
         (XTC spares "\n" and EOS, as mlx-lm's server does), seed, stop,
-        presence/frequency/repetition penalties, logit_bias. Raises PromptTooLong, QueueFull or EngineError."""
+        presence/frequency/repetition penalties, logit_bias, logprobs (the number of most
+        likely alternatives, 0..20, to report with each token's log-probability). Raises PromptTooLong, QueueFull or EngineError."""
         return self._stream(self.encode(prompt), params, request_id)
 
     def stream_chat(self, messages: List[dict], tools: Optional[List[dict]] = None, *,
@@ -466,6 +495,9 @@ class Engine:
             raise InvalidOption("max_tokens", f"max_tokens {params['max_tokens']} is beyond this "
                                 f"model's context window of {self.context_window} tokens")
         self._check_running()
+        top = params.get("logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+            raise InvalidOption("logprobs", f"logprobs is the number of alternatives to report, 0..20; got {top!r}")
         from ..sampling import SamplingParams
 
         try:  # here, not when the request runs: the caller learns which option is wrong
@@ -750,12 +782,13 @@ class Engine:
                 j.detokenizer.add_token(r.token)
             if r.finish_reason:
                 j.detokenizer.finalize()
+            j.reply.token(r.token, r.logprobs, r.finish_reason)
             content, calls, j.finish = j.reply.add(j.detokenizer.last_segment, r.finish_reason)
             if content or calls or j.finish:
                 st = j.stats(r.stats)
                 j.push(Chunk(content, j.finish, len(j.request.ids), j.n, calls, st.tau, st.cycles,
                              j.n / max(now - j.first, 1e-9), dict(sorted(st.block_sizes.items())),
-                             st.fallback, j.start.reused, j.engine, st.shadows))
+                             st.fallback, j.start.reused, j.engine, st.shadows, j.reply.take()))
             if j.finish:
                 ended.append(r.uid)
         for uid in ended:
@@ -851,11 +884,12 @@ class Engine:
                 first = first or time.perf_counter()
                 emitted.append(last.token)
                 self.prefix_cache.note(start, len(request.ids) + n)
+                reply.token(last.token, last.logprobs, last.finish_reason)
                 content, calls, finish = reply.add(last.text, last.finish_reason)
                 if content or calls or finish:
                     push(Chunk(content, finish, n_prompt, n, calls, last.tau, last.cycles,
                                last.generation_tps, last.block_sizes, last.fallback,
-                               start.reused, engine, last.shadows))
+                               start.reused, engine, last.shadows, reply.take()))
                 if finish:
                     break
                 yield
@@ -983,11 +1017,13 @@ def _config_value(model, key: str) -> Optional[int]:
 
 
 async def _collect(chunks: AsyncIterator[Chunk]) -> Completion:
-    text, calls, last = "", [], None
+    text, calls, logprobs, last = "", [], [], None
     async for last in chunks:
         text += last.text
         calls += last.tool_calls
+        logprobs += last.logprobs
     return Completion(text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
                       calls, last.tau, last.cycles, last.generation_tps,
                       block_sizes=last.block_sizes, fallback=last.fallback,
-                      cached_tokens=last.cached_tokens, engine=last.engine, shadows=last.shadows)
+                      cached_tokens=last.cached_tokens, engine=last.engine, shadows=last.shadows,
+                      logprobs=logprobs)

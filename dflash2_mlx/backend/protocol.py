@@ -4,7 +4,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -67,7 +67,7 @@ class _Request(BaseModel):
     def options(self) -> dict:
         """Engine generation options: only those the client set."""
         keys = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep",
-                "xtc_probability", "xtc_threshold", "stop", "seed",
+                "xtc_probability", "xtc_threshold", "stop", "seed", "logprobs",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
@@ -79,7 +79,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: Union[str, List[int], List[str]]
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=5)  # OpenAI's legacy completions: at most 5
     suffix: Optional[str] = None
 
     @field_validator("prompt")
@@ -93,7 +93,7 @@ class CompletionRequest(_Request):
             raise ValueError("the prompt is empty")
         return v
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, v, info):
         if v:
@@ -122,17 +122,20 @@ class ChatRequest(_Request):
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # template variables, as mlx_lm.server and vLLM take them
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs is not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def options(self) -> dict:
         out = super().options()
+        out.pop("logprobs", None)
+        if self.logprobs:  # the engine's option: how many alternatives go with each token
+            out["logprobs"] = self.top_logprobs or 0
         if self.max_completion_tokens is not None and self.max_tokens is None:
             out["max_tokens"] = self.max_completion_tokens
         return out
@@ -168,37 +171,57 @@ def dflash_stats(c) -> dict:
             "fallback": c.fallback, "shadows": c.shadows}
 
 
-def chat_response(rid, model, completion) -> dict:
+def chat_logprobs(entries: Optional[List[dict]]) -> Optional[dict]:
+    """OpenAI chat's logprobs of some tokens (None: not asked for)."""
+    return None if entries is None else {"content": entries}
+
+
+def completion_logprobs(entries: Optional[List[dict]], offset: int = 0) -> Optional[dict]:
+    """OpenAI's legacy completions logprobs of some tokens, the first at text offset ``offset``."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_response(rid, model, completion, logprobs: bool = False) -> dict:
     message = {"role": "assistant", "content": completion.text}
     if completion.tool_calls:
         message["tool_calls"] = completion.tool_calls
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": completion.finish_reason,
-                     "logprobs": None}],
+                     "logprobs": chat_logprobs(completion.logprobs if logprobs else None)}],
         "usage": usage(completion),
         "dflash": dflash_stats(completion),
     }
 
 
-def chat_chunk(rid, model, created, delta: dict, finish_reason=None) -> dict:
+def chat_chunk(rid, model, created, delta: dict, finish_reason=None, logprobs=None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                         "logprobs": chat_logprobs(logprobs)}]}
 
 
-def completion_response(rid, model, completion) -> dict:
+def completion_response(rid, model, completion, logprobs: bool = False) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
-                     "logprobs": None}],
+                     "logprobs": completion_logprobs(completion.logprobs if logprobs else None)}],
         "usage": usage(completion),
         "dflash": dflash_stats(completion),
     }
 
 
-def completion_chunk(rid, model, created, text: str, finish_reason=None) -> dict:
+def completion_chunk(rid, model, created, text: str, finish_reason=None, logprobs=None, offset=0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason,
+                         "logprobs": completion_logprobs(logprobs, offset)}]}
 
 
 def usage_chunk(rid, model, created, obj: str, last) -> dict:

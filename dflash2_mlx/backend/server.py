@@ -116,7 +116,7 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
                 request, engine.chat(messages, body.tools, request_id=rid,
                                      chat_template_kwargs=body.chat_template_kwargs, **body.options()),
                 engine, rid)
-        return chat_response(rid, body.model, completion)
+        return chat_response(rid, body.model, completion, bool(body.logprobs))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -129,7 +129,7 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
                 return _sse(_completion_events(rid, body, chunks), engine, rid)
             completion = await _until_disconnect(
                 request, engine.generate(body.prompt, request_id=rid, **body.options()), engine, rid)
-        return completion_response(rid, body.model, completion)
+        return completion_response(rid, body.model, completion, body.logprobs is not None)
 
     return app
 
@@ -305,16 +305,19 @@ async def _chat_events(rid, body: ChatRequest, chunks):
             delta["tool_calls"] = [{"index": calls + i, **c} for i, c in enumerate(last.tool_calls)]
             calls += len(last.tool_calls)
         if delta or last.finish_reason:
-            yield chat_chunk(rid, body.model, created, delta, last.finish_reason)
+            yield chat_chunk(rid, body.model, created, delta, last.finish_reason,
+                             last.logprobs if body.logprobs else None)
     if body.include_usage and last is not None:
         yield usage_chunk(rid, body.model, created, "chat.completion.chunk", last)
 
 
 async def _completion_events(rid, body: CompletionRequest, chunks):
     created = int(time.time())
-    last = None
+    last, offset = None, 0
     async for last in chunks:
-        yield completion_chunk(rid, body.model, created, last.text, last.finish_reason)
+        yield completion_chunk(rid, body.model, created, last.text, last.finish_reason,
+                               last.logprobs if body.logprobs is not None else None, offset)
+        offset += sum(len(e["token"]) for e in last.logprobs)
     if body.include_usage and last is not None:
         yield usage_chunk(rid, body.model, created, "text_completion", last)
 
