@@ -148,7 +148,7 @@ def test_prompt_cache_file_as_mlx_lm_generate_reads_it(pair, tmp_path):
                            "--prompt", "abcab dcba abcd dcba ab cd", "--prompt-cache-file", str(cache)],
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
-    for opts in ([], ["--prefill-response", "ab"], ["--system-prompt", "dc"]):
+    for opts in ([], ["--prefill-response", "ab"]):
         args = ["--prompt-cache-file", str(cache), "--prompt", "bca dd", "--max-tokens", "24", *opts]
         want = mlx_lm_text(*args) if opts != ["--prefill-response", "ab"] else None
         for mode in ("dflash", "off"):
