@@ -469,7 +469,8 @@ class Engine:
         temperature, top_p, top_k, min_p, min_tokens_to_keep, xtc_probability, xtc_threshold
         (XTC spares "\n" and EOS, as mlx-lm's server does), seed, stop,
         presence/frequency/repetition penalties, logit_bias, logprobs (the number of most
-        likely alternatives, 0..20, to report with each token's log-probability). Raises PromptTooLong, QueueFull or EngineError."""
+        likely alternatives, 0..20, to report with each token's log-probability).
+        Raises PromptTooLong, QueueFull, InvalidOption or EngineError."""
         return self._stream(self.encode(prompt), params, request_id)
 
     def stream_chat(self, messages: List[dict], tools: Optional[List[dict]] = None, *,
