@@ -93,24 +93,30 @@ def xtc_removed(logprobs: mx.array, params: SamplingParams) -> mx.array:
     return mx.where(cut, -mx.inf, logprobs)
 
 
-def filtered(logprobs: mx.array, params: SamplingParams, xtc: bool = False) -> mx.array:
-    """mlx-lm's sampler chain; ``xtc``: the branch where XTC's coin says cut."""
+def _nucleus(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """mlx-lm's chain before XTC: top-p, then min-p."""
     if 0 < params.top_p < 1.0:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p != 0.0:
         logprobs = apply_min_p(logprobs, params.min_p, params.min_tokens_to_keep)
-    if xtc:
-        logprobs = xtc_removed(logprobs, params)
-    if params.top_k > 0:
-        logprobs = apply_top_k(logprobs, params.top_k)
     return logprobs
+
+
+def _top_k(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    return apply_top_k(logprobs, params.top_k) if params.top_k > 0 else logprobs
+
+
+def filtered(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """mlx-lm's sampler chain where XTC's coin says keep (or XTC is off)."""
+    return _top_k(_nucleus(logprobs, params), params)
 
 
 def probs(logprobs: mx.array, params: SamplingParams) -> mx.array:
     """The distribution mlx-lm's sampler draws from, for temp > 0."""
-    p = mx.softmax(filtered(logprobs, params) * (1.0 / params.temp), axis=-1, precise=True)
+    kept = _nucleus(logprobs, params)  # shared by both of XTC's branches
+    p = mx.softmax(_top_k(kept, params) * (1.0 / params.temp), axis=-1, precise=True)
     if params.xtc_probability > 0:
-        cut = mx.softmax(filtered(logprobs, params, xtc=True) * (1.0 / params.temp), axis=-1, precise=True)
+        cut = mx.softmax(_top_k(xtc_removed(kept, params), params) * (1.0 / params.temp), axis=-1, precise=True)
         p = (1 - params.xtc_probability) * p + params.xtc_probability * cut
     return p
 

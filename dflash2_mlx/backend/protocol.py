@@ -67,7 +67,7 @@ class _Request(BaseModel):
     def options(self) -> dict:
         """Engine generation options: only those the client set."""
         keys = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep",
-                "xtc_probability", "xtc_threshold", "stop", "seed", "logprobs",
+                "xtc_probability", "xtc_threshold", "stop", "seed",
                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
@@ -92,6 +92,12 @@ class CompletionRequest(_Request):
         if len(v) == 0:
             raise ValueError("the prompt is empty")
         return v
+
+    def options(self) -> dict:
+        out = super().options()
+        if self.logprobs is not None:  # the engine's option: how many alternatives go with each token
+            out["logprobs"] = self.logprobs
+        return out
 
     @field_validator("echo", "suffix")
     @classmethod
@@ -133,7 +139,6 @@ class ChatRequest(_Request):
 
     def options(self) -> dict:
         out = super().options()
-        out.pop("logprobs", None)
         if self.logprobs:  # the engine's option: how many alternatives go with each token
             out["logprobs"] = self.top_logprobs or 0
         if self.max_completion_tokens is not None and self.max_tokens is None:
