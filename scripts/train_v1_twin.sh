@@ -7,8 +7,9 @@
 #
 #   scripts/train_v1_twin.sh [WORK_DIR]      (default: ~/.cache/dflash2-work)
 #
-# Run it after train_smollm2_drafters.sh has finished in the same work directory: it reads
-# that script's data and features and writes only run-t1-* and eval-twin. It resumes the
+# Run it after train_smollm2_drafters.sh has finished in the same work directory (or its data
+# stages alone: DATA_ONLY=1): it reads that script's data and features and writes only
+# run-t1-*, shipped-t1-s10 and eval-twin. It resumes the
 # same way (every run restarts from its last checkpoint, every 25 steps). ~4,200 steps of a
 # v1 drafter, ~2.4 s a step here: ~3 h of this project's 2-core CPU.
 set -euo pipefail
@@ -25,7 +26,14 @@ phase 1 data-all8.jsonl run-t1-s8 run-t1-s7 500 8 1e-3 "${D[@]:0:4}"
 phase 1 data-all9.jsonl run-t1-s9 run-t1-s8 500 9 1e-3 "${D[@]:0:5}"
 phase 1 data-all10.jsonl run-t1-s10 run-t1-s9 500 10 1e-3 "${D[@]}"
 
+# Side by side with the recipe's own DFlash 2 run; after DATA_ONLY=1 (no DFlash 2 trained here)
+# with the shipped one, which the same recipe made, both then 8-bit as shipped.
 B="$HERE/../dflash2_mlx/bench_data"
-[[ -f eval-twin/report.md ]] || dflash2-mlx eval -d v1=run-t1-s10/final -d v2=run-s10/final \
+V1=run-t1-s10/final V2=run-s10/final
+if [[ ! -d $V2 ]]; then
+    V2="$HERE/../dflash2_mlx/drafters/smollm2-135m-dflash2" V1=shipped-t1-s10
+    [[ -d $V1 ]] || python "$T" ship run-t1-s10/final "$V1" --bits 8 --data data-all10.jsonl --warm-layers 28,29
+fi
+[[ -f eval-twin/report.md ]] || dflash2-mlx eval -d v1="$V1" -d v2="$V2" \
     -b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" \
     -b "$B/mt_bench.jsonl" --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-twin
