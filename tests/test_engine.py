@@ -163,6 +163,51 @@ def test_logprobs_are_the_targets_own(engine):
             engine.stream_generate("hello world", logprobs=bad)
 
 
+def test_prompt_logprobs_score_the_prompt(engine):
+    """prompt_logprobs: each prompt token's log-probability and alternatives from the
+    target's own teacher-forced rows (in chunks or not), in the first chunk; max_tokens=0
+    scores without generating; a completion keeps its stop token's entry, a chat not."""
+    from dflash2_mlx.scoring import prompt_logprobs
+
+    tok = engine.tokenizer
+    ids = tok.encode("hello world, how are you today")
+    got = run(engine.generate(ids, max_tokens=0, prompt_logprobs=2))
+    assert (got.text, got.completion_tokens, got.finish_reason, got.logprobs) == ("", 0, "length", [])
+    entries = got.prompt_logprobs
+    assert len(entries) == len(ids) and entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
+    assert [e["token"] for e in entries] == [tok.decode([t]) for t in ids]
+    rows = on_worker(lambda: target_logprobs(engine._model, ids[:1], ids[1:], {}).tolist())
+    for e, t, row in zip(entries[1:], ids[1:], rows):
+        assert abs(e["logprob"] - row[t]) < 1e-4
+        best = sorted(range(len(row)), key=lambda i: -row[i])[:2]
+        assert [a["token"] for a in e["top_logprobs"]] == [tok.decode([i]) for i in best]
+        assert all(abs(a["logprob"] - row[i]) < 1e-4 for a, i in zip(e["top_logprobs"], best))
+    whole, chunked = on_worker(lambda: (prompt_logprobs(engine._model, ids, 2),
+                                        prompt_logprobs(engine._model, ids, 2, chunk=3)))
+    assert max(abs(a - b) for a, b in zip(whole[0], chunked[0])) < 1e-4
+    assert [[i for i, _ in t] for t in whole[1]] == [[i for i, _ in t] for t in chunked[1]]
+
+    both = run(engine.generate(ids, max_tokens=6, logprobs=1, prompt_logprobs=0, logit_bias=NO_EOS))
+    alone = run(engine.generate(ids, max_tokens=6, logprobs=1, logit_bias=NO_EOS))
+    assert both.text == alone.text and alone.prompt_logprobs is None
+    assert [e["top_logprobs"] for e in both.prompt_logprobs[1:]] == [[]] * (len(ids) - 1)
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(both.logprobs, alone.logprobs)) < 1e-4
+
+    eos = {1: 100.0}  # the tiny tokenizer's <eos> first
+    done = run(engine.generate(ids, max_tokens=4, logprobs=0, logit_bias=eos))
+    assert done.finish_reason == "stop" and done.text == ""
+    assert [e["token"] for e in done.logprobs] == [tok.decode([1])] and done.completion_tokens == 1
+    said = run(engine.chat([{"role": "user", "content": "hi"}], max_tokens=4, logprobs=0, logit_bias=eos))
+    assert said.finish_reason == "stop" and said.logprobs == []
+    for bad in (21, -1, True):
+        with pytest.raises(InvalidOption, match="prompt_logprobs is the number of alternatives"):
+            engine.stream_generate("hello world", prompt_logprobs=bad)
+    with pytest.raises(InvalidOption, match="max_tokens"):
+        engine.stream_generate("hello world", max_tokens=-1)
+    with pytest.raises(TypeError, match="prompt_logprobs"):
+        engine.stream_chat([{"role": "user", "content": "hi"}], prompt_logprobs=1)
+
+
 def test_model_penalties_are_defaults_a_request_overrides(models, reference):
     """model_settings.json's repetition_penalty / presence_penalty (oMLX's fields) apply to
     requests that send none; a request's own wins (1.0 / 0.0: none at all)."""

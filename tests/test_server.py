@@ -234,7 +234,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": WINDOW + 1, "stream": True}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": [3, 4, 100000]}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": [[3, 4], []]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "stream": True}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 6}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "chat_template_kwargs": [1]}, 400,
      "chat_template_kwargs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "chat_template_kwargs": {"tokenize": False}},
@@ -263,6 +267,69 @@ def test_logprobs_as_openai_returns_them(server, client):
     assert "".join(lp["tokens"]) == choice["text"] and len(lp["token_logprobs"]) == 10
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     assert all(1 <= len(t) <= 2 and max(t.values()) >= p for t, p in zip(lp["top_logprobs"], lp["token_logprobs"]))
+
+
+def test_echo_scores_prompts_as_lm_eval_asks(server):
+    """lm-eval's loglikelihood request (its local-completions payload: a batch of token-id
+    prompts, echo, logprobs 1, max_tokens 1, temperature 0) read the way lm-eval reads it
+    (token_logprobs[ctxlen:-1]; greedy where each equals its top): the target's own
+    teacher-forced figures, a choice per prompt; then text prompts, streaming, max_tokens 0."""
+    from mlx_lm import load
+
+    model, tok = on_worker(load, str(server["target"]))
+    prompts = [tok.encode("hello world how are"), tok.encode("say hi to me")]
+    ctxlens = [3, 2]  # context tokens; the rest is the continuation scored
+    r = httpx.post(server["base"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+        "echo": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts)) and len(body["dflash"]) == 2
+    for choice, ids, ctxlen in zip(body["choices"], prompts, ctxlens):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert choice["text"].startswith(tok.decode(ids)) and lp["text_offset"][0] == 0
+        rows = on_worker(lambda: target_logprobs(model, ids).tolist())
+        want = [row[t] for row, t in zip(rows, ids[1:])]
+        got = lp["token_logprobs"][ctxlen:-1]
+        assert abs(sum(got) - sum(want[ctxlen - 1:])) < 1e-3
+        greedy = all(g == max(top.values()) for g, top in zip(got, lp["top_logprobs"][ctxlen:-1]))
+        assert greedy == all(max(range(len(row)), key=row.__getitem__) == t
+                             for row, t in zip(rows[ctxlen - 1:], ids[ctxlen:]))
+        one = httpx.post(server["base"] + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": ids, "max_tokens": 1, "logprobs": 1, "echo": True}).json()["choices"][0]
+        assert one["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+    ask = {"model": "tiny", "prompt": "abcd", "max_tokens": 5, "logprobs": 2, "echo": True, "logit_bias": NO_EOS}
+    whole = httpx.post(server["base"] + "/v1/completions", json=ask, timeout=60).json()["choices"][0]
+    plain = httpx.post(server["base"] + "/v1/completions", json={**ask, "echo": False}, timeout=60).json()["choices"][0]
+    assert whole["text"] == "abcd" + plain["text"]
+    assert whole["logprobs"]["tokens"] == [tok.decode([t]) for t in tok.encode("abcd")] + plain["logprobs"]["tokens"]
+    events = []
+    with httpx.stream("POST", server["base"] + "/v1/completions", json={**ask, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    streamed = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(c["text"] for c in streamed) == whole["text"]
+    assert [t for c in streamed for t in c["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
+    assert [o for c in streamed for o in c["logprobs"]["text_offset"]] == whole["logprobs"]["text_offset"]
+    scored = httpx.post(server["base"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "abcd", "max_tokens": 0, "echo": True, "logprobs": 0}).json()
+    assert scored["choices"][0]["text"] == "abcd" and scored["usage"]["completion_tokens"] == 0
+    assert scored["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        whole["logprobs"]["token_logprobs"][1:4], abs=1e-4)
+    echoed = httpx.post(server["base"] + "/v1/completions", timeout=60,
+                        json={**ask, "logprobs": None}).json()["choices"][0]
+    assert echoed["text"] == whole["text"] and echoed["logprobs"] is None
+
+
+def target_logprobs(model, ids):
+    """The target's log-probability rows after each prefix of ``ids`` (one pass)."""
+    import mlx.core as mx
+
+    logits = model(mx.array([ids]))[0, :-1].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 @pytest.mark.parametrize("path,body,status,what", BAD_REQUESTS)

@@ -89,6 +89,9 @@ class Chunk:
     # With the request option logprobs: one entry per token of this piece, OpenAI's
     # {token, logprob, bytes, top_logprobs} (the target's log-probabilities, as mlx-lm's).
     logprobs: List[dict] = field(default_factory=list)
+    # With the request option prompt_logprobs (first chunk only): one entry per prompt token,
+    # the first with logprob and top_logprobs None (nothing comes before it).
+    prompt_logprobs: Optional[List[dict]] = None
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Completion:
     engine: dict = field(default_factory=dict)
     shadows: int = 0
     logprobs: List[dict] = field(default_factory=list)
+    prompt_logprobs: Optional[List[dict]] = None
 
 
 class _Turns:
@@ -162,11 +166,12 @@ class _Turns:
 
 
 class _Request:
-    def __init__(self, request_id: str, ids: List[int], params: dict, tools=None):
+    def __init__(self, request_id: str, ids: List[int], params: dict, tools=None, chat: bool = False):
         self.id = request_id
         self.ids = ids
         self.params = params
         self.tools = tools
+        self.chat = chat
         self.aborted = threading.Event()
         self.finished = False
         self.started = False  # its stream has been iterated
@@ -181,18 +186,21 @@ class _Reply:
     """A request's text on its way out (both decoding paths): stop strings, tool calls, and
     the finish reason the client sees."""
 
-    def __init__(self, tokenizer, params: dict, tools):
+    def __init__(self, tokenizer, params: dict, tools, chat: bool = True):
         stop = params.get("stop") or []
         self.matcher = StopMatcher([stop] if isinstance(stop, str) else list(stop))
         self.tools = ToolCallSplitter(tokenizer, tools)
         self.made_calls = False
         self.tokenizer, self.top = tokenizer, params.get("logprobs")
         self.pending: List[dict] = []  # logprob entries of tokens not yet in a chunk
+        # A chat reply leaves out its stop token and so its entry (as OpenAI's chat does); a
+        # completion keeps it (as the legacy API and vLLM do): one entry per generated token,
+        # which lm-eval's loglikelihood counts on.
+        self.stop_entry = not chat
 
     def token(self, token: int, logprobs, finish_reason: Optional[str]):
-        """Note a token's log-probabilities when the request asked for them (a stop token
-        is not part of the reply, nor are its)."""
-        if self.top is None or finish_reason == "stop":
+        """Note a token's log-probabilities when the request asked for them."""
+        if self.top is None or (finish_reason == "stop" and not self.stop_entry):
             return
         import mlx.core as mx
 
@@ -200,12 +208,7 @@ class _Reply:
         if self.top:
             idx = mx.argpartition(-logprobs, kth=self.top - 1)[: self.top]
             top = sorted(zip(idx.tolist(), logprobs[idx].tolist()), key=lambda x: -x[1])
-        self.pending.append(dict(self._entry(token, logprobs[token].item()),
-                                 top_logprobs=[self._entry(i, lp) for i, lp in top]))
-
-    def _entry(self, token: int, logprob: float) -> dict:
-        text = self.tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        self.pending.append(logprob_entry(self.tokenizer, token, logprobs[token].item(), top))
 
     def take(self) -> List[dict]:
         out, self.pending = self.pending, []
@@ -285,13 +288,23 @@ class _Carry:
         self.reused = reused  # prompt tokens its single stream took from the prefix cache
 
 
+def logprob_entry(tokenizer, token: int, logprob: Optional[float], top) -> dict:
+    """OpenAI's {token, logprob, bytes, top_logprobs} of a token; ``top``: (id, logprob)
+    pairs, most likely first (None: a prompt's first token, which nothing predicts)."""
+    def entry(t, lp):
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return dict(entry(token, logprob), top_logprobs=None if top is None else [entry(i, lp) for i, lp in top])
+
+
 log = logging.getLogger("dflash2_mlx.engine")
 _DONE = object()
 _ids = itertools.count(1)
 
 # OpenAI-style request options -> stream_generate / logits processor options.
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep",
-                 "xtc_probability", "xtc_threshold", "seed", "stop", "logprobs",
+                 "xtc_probability", "xtc_threshold", "seed", "stop", "logprobs", "prompt_logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
@@ -469,7 +482,9 @@ class Engine:
         temperature, top_p, top_k, min_p, min_tokens_to_keep, xtc_probability, xtc_threshold
         (XTC spares "\n" and EOS, as mlx-lm's server does), seed, stop,
         presence/frequency/repetition penalties, logit_bias, logprobs (the number of most
-        likely alternatives, 0..20, to report with each token's log-probability).
+        likely alternatives, 0..20, to report with each token's log-probability; the
+        stop token's included), prompt_logprobs (the same for each prompt token, in the
+        first chunk). ``max_tokens=0`` generates nothing (a prompt scored alone).
         Raises PromptTooLong, QueueFull, InvalidOption or EngineError."""
         return self._stream(self.encode(prompt), params, request_id)
 
@@ -478,27 +493,33 @@ class Engine:
                     **params) -> AsyncIterator[Chunk]:
         """Stream the assistant's reply; with ``tools`` (OpenAI function specs) they go to
         the chat template, and tool calls come back in ``Chunk.tool_calls``."""
-        return self._stream(self.encode_chat(messages, tools, chat_template_kwargs), params, request_id, tools)
+        if "prompt_logprobs" in params:
+            raise TypeError("prompt_logprobs is an option of stream_generate (a chat's prompt is its template's)")
+        return self._stream(self.encode_chat(messages, tools, chat_template_kwargs), params, request_id, tools, True)
 
     def _check_running(self):
         if not self.running:
             raise EngineError(f"model {self.model_id} is not running")
 
-    def _stream(self, ids, params, request_id, tools=None):
+    def _stream(self, ids, params, request_id, tools=None, chat=False):
         unknown = set(params) - set(SAMPLING_KEYS)
         if unknown:
             raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
         if not ids:
             raise ValueError("the prompt is empty")
+        n = params.get("max_tokens")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise InvalidOption("max_tokens", f"max_tokens is a number of tokens, 0 or more; got {n!r}")
         if self.context_window and len(ids) > self.context_window:
             raise PromptTooLong(len(ids), self.context_window)
         if self.context_window and (params.get("max_tokens") or 0) > self.context_window:
             raise InvalidOption("max_tokens", f"max_tokens {params['max_tokens']} is beyond this "
                                 f"model's context window of {self.context_window} tokens")
         self._check_running()
-        top = params.get("logprobs")
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
-            raise InvalidOption("logprobs", f"logprobs is the number of alternatives to report, 0..20; got {top!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            top = params.get(name)
+            if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+                raise InvalidOption(name, f"{name} is the number of alternatives to report, 0..20; got {top!r}")
         from ..sampling import SamplingParams
 
         try:  # here, not when the request runs: the caller learns which option is wrong
@@ -506,7 +527,7 @@ class Engine:
         except ValueError as e:
             name = str(e).split()[0]
             raise InvalidOption("temperature" if name == "temp" else name, str(e)) from None
-        request = _Request(request_id or f"req-{next(_ids)}", ids, params, tools)
+        request = _Request(request_id or f"req-{next(_ids)}", ids, params, tools, chat)
         if request.id in self._requests:
             raise EngineError(f"request id {request.id} is already in use")
         if _in_event_loop():  # else (a stream made outside the loop) on its first step
@@ -632,6 +653,9 @@ class Engine:
         mode = s.verify_mode(len(request.ids))
         if not self._batchable or self._max_batch() < 2 or mode == "off":
             return False
+        p = request.params
+        if p.get("prompt_logprobs") is not None or p.get("max_tokens") == 0:  # scoring: solo
+            return False
         # A seeded sampled request gets its single-stream text: in the batch only where the
         # batch drafts and copies exactly as its single stream would (a fixed block size).
         fixed = mode == "dflash" and s.dflash_block_size is not None
@@ -751,7 +775,7 @@ class Engine:
             self._refuse(request, push, "error", e)
             return
         self._stats.move(active=1)
-        j = _Joined(request, push, start, _Reply(self.tokenizer, p, request.tools),
+        j = _Joined(request, push, start, _Reply(self.tokenizer, p, request.tools, request.chat),
                     self.tokenizer.detokenizer, s.engine(len(request.ids)))
         j.ids = ids
         if carry is not None:
@@ -868,7 +892,13 @@ class Engine:
             engine = s.engine(n_prompt)
             drafting = mode != "off" and self._drafter is not None
             penalties = _penalties(p, s)
-            reply = _Reply(self.tokenizer, p, request.tools)
+            reply = _Reply(self.tokenizer, p, request.tools, request.chat)
+            if p.get("prompt_logprobs") is not None:
+                push(Chunk("", None, n_prompt, prompt_logprobs=self._prompt_logprobs(request.ids, p["prompt_logprobs"])))
+            if self._max_tokens(p) == 0:  # scored, not continued
+                finish = "length"
+                push(Chunk("", finish, n_prompt, engine=engine))
+                return
             # Plain decoding shows its penalties only the uncached tokens: no reuse with them.
             reuse = drafting or not set(penalties) - {"logit_bias"}
             start = self.prefix_cache.start(request.ids, self._model, self._drafter if drafting else None,
@@ -931,6 +961,13 @@ class Engine:
                 self._stats.add(prompt_tokens=n_prompt, finish_reason=finish or "abort")
             push(_DONE)
             self._solo_end(request, solo, None)
+
+    def _prompt_logprobs(self, ids: List[int], top: int) -> List[dict]:
+        from ..scoring import prompt_logprobs
+
+        lps, tops = prompt_logprobs(self._model, ids, top)
+        return [logprob_entry(self.tokenizer, ids[0], None, None)] + [
+            logprob_entry(self.tokenizer, t, lp, best) for t, lp, best in zip(ids[1:], lps, tops)]
 
     def _solo_end(self, request: _Request, solo: bool, carry: Optional["_Carry"]):
         if solo:
@@ -1018,13 +1055,14 @@ def _config_value(model, key: str) -> Optional[int]:
 
 
 async def _collect(chunks: AsyncIterator[Chunk]) -> Completion:
-    text, calls, logprobs, last = "", [], [], None
+    text, calls, logprobs, last, prompt = "", [], [], None, None
     async for last in chunks:
         text += last.text
         calls += last.tool_calls
         logprobs += last.logprobs
+        prompt = prompt or last.prompt_logprobs
     return Completion(text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
                       calls, last.tau, last.cycles, last.generation_tps,
                       block_sizes=last.block_sizes, fallback=last.fallback,
                       cached_tokens=last.cached_tokens, engine=last.engine, shadows=last.shadows,
-                      logprobs=logprobs)
+                      logprobs=logprobs, prompt_logprobs=prompt)

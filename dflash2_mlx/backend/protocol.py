@@ -77,7 +77,9 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, List[int], List[str]]
+    # A text, token ids, or a batch of either (one choice each, in order; lm-eval sends these)
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: the prompt scored alone (with echo)
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=5)  # OpenAI's legacy completions: at most 5
     suffix: Optional[str] = None
@@ -85,21 +87,36 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
-        if len(v) == 0:
+        if isinstance(v, list) and not v:
             raise ValueError("the prompt is empty")
+        for one in v if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]:
+            if len(one) == 0:
+                raise ValueError("the prompt is empty")
         return v
+
+    @model_validator(mode="after")
+    def _scoring(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it takes echo (the prompt scored alone)")
+        if self.stream and len(self.prompts) > 1:
+            raise ValueError("a stream takes one prompt")
+        return self
+
+    @property
+    def prompts(self) -> list:
+        """The request's prompts: each a text or a list of token ids."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
+        return list(self.prompt) if batch else [self.prompt]
 
     def options(self) -> dict:
         out = super().options()
         if self.logprobs is not None:  # the engine's option: how many alternatives go with each token
             out["logprobs"] = self.logprobs
+            if self.echo:  # and with each prompt token
+                out["prompt_logprobs"] = self.logprobs
         return out
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, v, info):
         if v:
@@ -182,16 +199,18 @@ def chat_logprobs(entries: Optional[List[dict]]) -> Optional[dict]:
 
 
 def completion_logprobs(entries: Optional[List[dict]], offset: int = 0) -> Optional[dict]:
-    """OpenAI's legacy completions logprobs of some tokens, the first at text offset ``offset``."""
+    """OpenAI's legacy completions logprobs of some tokens, the first at text offset ``offset``
+    (an echoed prompt's first token has none: its logprob and top_logprobs are null)."""
     if entries is None:
         return None
     offsets = []
     for e in entries:
         offsets.append(offset)
         offset += len(e["token"])
+    top = [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+           for e in entries]
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
+            "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_response(rid, model, completion, logprobs: bool = False) -> dict:
@@ -213,14 +232,25 @@ def chat_chunk(rid, model, created, delta: dict, finish_reason=None, logprobs=No
                          "logprobs": chat_logprobs(logprobs)}]}
 
 
-def completion_response(rid, model, completion, logprobs: bool = False) -> dict:
-    return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": completion.text, "finish_reason": completion.finish_reason,
-                     "logprobs": completion_logprobs(completion.logprobs if logprobs else None)}],
-        "usage": usage(completion),
-        "dflash": dflash_stats(completion),
-    }
+def completion_response(rid, model, completions: list, logprobs: bool = False,
+                        echoed: Optional[List[str]] = None) -> dict:
+    """One choice per prompt; ``echoed``: the prompts' texts, put before their completions
+    (their tokens' entries before the completions' too); usage and dflash of them all."""
+    choices = []
+    for i, c in enumerate(completions):
+        text, entries = c.text, c.logprobs
+        if echoed is not None:
+            text, entries = echoed[i] + text, (c.prompt_logprobs or []) + entries
+        choices.append({"index": i, "text": text, "finish_reason": c.finish_reason,
+                        "logprobs": completion_logprobs(entries if logprobs else None)})
+    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+           "choices": choices, "usage": usage(completions[0]), "dflash": dflash_stats(completions[0])}
+    if len(completions) > 1:  # OpenAI's usage is the request's; dflash stays per choice
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            out["usage"][k] = sum(usage(c)[k] for c in completions)
+        out["usage"]["prompt_tokens_details"]["cached_tokens"] = sum(c.cached_tokens for c in completions)
+        out["dflash"] = [dflash_stats(c) for c in completions]
+    return out
 
 
 def completion_chunk(rid, model, created, text: str, finish_reason=None, logprobs=None, offset=0) -> dict:

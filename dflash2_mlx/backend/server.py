@@ -123,13 +123,18 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
         body = await _parse(request, CompletionRequest)
         engine = await _engine(pool, body)
         rid = new_id("cmpl")
+        prompts = body.prompts
+        echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
         with _mapped_errors():
             if body.stream:
-                chunks = engine.stream_generate(body.prompt, request_id=rid, **body.options())
-                return _sse(_completion_events(rid, body, chunks), engine, rid)
-            completion = await _until_disconnect(
-                request, engine.generate(body.prompt, request_id=rid, **body.options()), engine, rid)
-        return completion_response(rid, body.model, completion, body.logprobs is not None)
+                chunks = engine.stream_generate(prompts[0], request_id=rid, **body.options())
+                return _sse(_completion_events(rid, body, chunks, echoed and echoed[0]), engine, rid)
+            # A batch of prompts runs side by side (the engine batches them where it can).
+            ids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(prompts))]
+            completions = await _until_disconnect(
+                request, asyncio.gather(*(engine.generate(p, request_id=r, **body.options())
+                                          for p, r in zip(prompts, ids))), engine, *ids)
+        return completion_response(rid, body.model, completions, body.logprobs is not None, echoed)
 
     return app
 
@@ -255,8 +260,8 @@ class _mapped_errors:
         return False
 
 
-async def _until_disconnect(request: Request, work, engine, rid):
-    """Await ``work``; if the client goes away first, abort the request."""
+async def _until_disconnect(request: Request, work, engine, *rids):
+    """Await ``work``; if the client goes away first, abort its requests."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -264,12 +269,14 @@ async def _until_disconnect(request: Request, work, engine, rid):
             if done:
                 return task.result()
             if await request.is_disconnected():
-                engine.abort(rid)
+                for rid in rids:
+                    engine.abort(rid)
                 task.cancel()
                 raise APIError(499, "client disconnected")
     finally:
         if not task.done():
-            engine.abort(rid)
+            for rid in rids:
+                engine.abort(rid)
             task.cancel()
 
 
@@ -311,13 +318,21 @@ async def _chat_events(rid, body: ChatRequest, chunks):
         yield usage_chunk(rid, body.model, created, "chat.completion.chunk", last)
 
 
-async def _completion_events(rid, body: CompletionRequest, chunks):
+def _prompt_text(engine, prompt) -> str:
+    """What echo puts before a completion: the prompt as sent, token ids as text."""
+    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+
+
+async def _completion_events(rid, body: CompletionRequest, chunks, echoed: Optional[str] = None):
     created = int(time.time())
     last, offset = None, 0
     async for last in chunks:
-        yield completion_chunk(rid, body.model, created, last.text, last.finish_reason,
-                               last.logprobs if body.logprobs is not None else None, offset)
-        offset += sum(len(e["token"]) for e in last.logprobs)
+        text, entries = last.text, last.logprobs
+        if echoed is not None:  # the prompt leads the first chunk (its entries there too)
+            text, entries, echoed = echoed + text, (last.prompt_logprobs or []) + entries, None
+        yield completion_chunk(rid, body.model, created, text, last.finish_reason,
+                               entries if body.logprobs is not None else None, offset)
+        offset += sum(len(e["token"]) for e in entries)
     if body.include_usage and last is not None:
         yield usage_chunk(rid, body.model, created, "text_completion", last)
 
