@@ -1,7 +1,7 @@
 """A prompt's own log-probabilities under the target: what the legacy completions API
 returns with ``echo`` and ``logprobs`` (lm-eval's loglikelihood requests)."""
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -10,13 +10,14 @@ from mlx_lm.models.cache import make_prompt_cache
 CHUNK = 256
 
 
-def prompt_logprobs(model, ids: List[int], top: int = 0,
-                    chunk: int = CHUNK) -> Tuple[List[float], List[List[Tuple[int, float]]]]:
+def prompt_logprobs(model, ids: List[int], top: int = 0, chunk: int = CHUNK,
+                    cache: Optional[list] = None) -> Tuple[List[float], List[List[Tuple[int, float]]]]:
     """For each token of ``ids`` after the first: its log-probability given the tokens
     before it, and the ``top`` most likely tokens there with theirs (most likely first).
     One teacher-forced pass of the target (raw logits, as mlx-lm's generation reports them
-    before any logits processor), in chunks of rows."""
-    cache = make_prompt_cache(model)
+    before any logits processor), in chunks of rows. ``cache`` (an empty prompt cache):
+    it ends holding every token but the last, from which decoding can go on."""
+    cache = make_prompt_cache(model) if cache is None else cache
     token_lps: List[float] = []
     tops: List[List[Tuple[int, float]]] = []
     for lo in range(0, len(ids) - 1, chunk):

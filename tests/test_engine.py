@@ -190,6 +190,9 @@ def test_prompt_logprobs_score_the_prompt(engine):
     both = run(engine.generate(ids, max_tokens=6, logprobs=1, prompt_logprobs=0, logit_bias=NO_EOS))
     alone = run(engine.generate(ids, max_tokens=6, logprobs=1, logit_bias=NO_EOS))
     assert both.text == alone.text and alone.prompt_logprobs is None
+    assert both.engine["verify_mode"] == "off" and alone.cycles > 0  # on from the scoring pass's caches
+    longer = run(engine.generate(ids, max_tokens=24, prompt_logprobs=0, logit_bias=NO_EOS))
+    assert longer.cycles > 0 and longer.text == run(engine.generate(ids, max_tokens=24, logit_bias=NO_EOS)).text
     assert [e["top_logprobs"] for e in both.prompt_logprobs[1:]] == [[]] * (len(ids) - 1)
     assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(both.logprobs, alone.logprobs)) < 1e-4
 

@@ -113,10 +113,10 @@ def test_models_listed(client):
 
 def test_alias_and_default_model(server, client, reference):
     """A model_alias is the model's name in /v1/models and in replies (its id still works);
-    with is_default a request may name no model."""
+    with is_default (or as the only model served) a request may name no model."""
     store = SettingsStore(server["settings"])
     r = httpx.post(server["base"] + "/v1/completions", json={"prompt": "hello world", "max_tokens": 4})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
     store.set("tiny", model_alias="tiny-chat", is_default=True)
     try:
         assert [m.id for m in client.models.list().data] == ["tiny-chat"]
@@ -204,7 +204,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None),
     ("/v1/chat/completions", b"\xff\xfe not utf8", 400, None),
     ("/v1/chat/completions", b'["a", "list"]', 400, None),
-    ("/v1/chat/completions", {"messages": CHAT}, 400, "model"),
     ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model_not_found"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model_not_found"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
@@ -322,6 +321,33 @@ def test_echo_scores_prompts_as_lm_eval_asks(server):
     echoed = httpx.post(server["base"] + "/v1/completions", timeout=60,
                         json={**ask, "logprobs": None}).json()["choices"][0]
     assert echoed["text"] == whole["text"] and echoed["logprobs"] is None
+
+
+def test_tokenizer_routes_as_vllm_serves_them(server):
+    """vLLM's /tokenizer_info, /tokenize (text or chat messages) and /detokenize, which
+    lm-eval uses when a server has them; a server of one model needs no model name."""
+    from mlx_lm import load
+
+    _, tok = on_worker(load, str(server["target"]))
+    base = server["base"]
+    info = httpx.get(base + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["model_max_length"] == WINDOW
+    assert info["chat_template"] == tok.chat_template
+    assert httpx.get(base + "/tokenizer_info", params={"model": "tiny"}).json() == info
+    got = httpx.post(base + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False,
+                                               "return_token_strs": True}).json()
+    assert got["tokens"] == tok.encode("hello world", add_special_tokens=False) and got["count"] == len(got["tokens"])
+    assert "".join(got["token_strs"]) == "hello world" and got["max_model_len"] == WINDOW
+    chat = httpx.post(base + "/tokenize", json={"model": "tiny", "messages": CHAT}).json()
+    assert chat["tokens"] == tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert httpx.post(base + "/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": "hello world"}
+    for path, body, param in (("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": CHAT}, None),
+                              ("/detokenize", {"tokens": [3, 100000]}, None),
+                              ("/tokenize", {"model": "nope", "prompt": "a"}, "model")):
+        r = httpx.post(base + path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(base + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
 
 
 def target_logprobs(model, ids):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Sequence
 
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, Start
 from .ssd_cache import DiskTier, default_ssd_cache_dir, pair_dir
 from .settings import ModelSettings, first_set
 from .stats import EngineStats
@@ -299,6 +299,9 @@ def logprob_entry(tokenizer, token: int, logprob: Optional[float], top) -> dict:
 
 
 log = logging.getLogger("dflash2_mlx.engine")
+# Replies up to this long to a scored prompt decode plain from the scoring pass's caches (a
+# prefill saved outweighs what DFlash would save over so few tokens); longer ones draft.
+SCORED_PLAIN_MAX = 16
 _DONE = object()
 _ids = itertools.count(1)
 
@@ -893,16 +896,26 @@ class Engine:
             drafting = mode != "off" and self._drafter is not None
             penalties = _penalties(p, s)
             reply = _Reply(self.tokenizer, p, request.tools, request.chat)
+            scored = None
             if p.get("prompt_logprobs") is not None:
-                push(Chunk("", None, n_prompt, prompt_logprobs=self._prompt_logprobs(request.ids, p["prompt_logprobs"])))
+                entries, scored = self._prompt_logprobs(request.ids, p["prompt_logprobs"])
+                push(Chunk("", None, n_prompt, prompt_logprobs=entries))
             if self._max_tokens(p) == 0:  # scored, not continued
                 finish = "length"
                 push(Chunk("", finish, n_prompt, engine=engine))
                 return
             # Plain decoding shows its penalties only the uncached tokens: no reuse with them.
             reuse = drafting or not set(penalties) - {"logit_bias"}
-            start = self.prefix_cache.start(request.ids, self._model, self._drafter if drafting else None,
-                                            s.draft_window, reuse=reuse, sink=s.draft_sink)
+            if (scored is not None and reuse and all(c.is_trimmable() for c in scored)
+                    and self._max_tokens(p) <= SCORED_PLAIN_MAX):
+                # A short reply to a scored prompt (lm-eval's: one token) goes on from the
+                # scoring pass's caches, plain: no second prefill of the prompt.
+                mode, drafting = "off", False
+                engine = {**engine, "dflash": False, "verify_mode": "off", "block_size": None}
+                start = Start(scored, None, n_prompt - 1)
+            else:
+                start = self.prefix_cache.start(request.ids, self._model, self._drafter if drafting else None,
+                                                s.draft_window, reuse=reuse, sink=s.draft_sink)
             gen = stream_generate(
                 self._model, self.tokenizer, request.ids, self._drafter,
                 max_tokens=self._max_tokens(p), **self._sampling(p),
@@ -962,12 +975,17 @@ class Engine:
             push(_DONE)
             self._solo_end(request, solo, None)
 
-    def _prompt_logprobs(self, ids: List[int], top: int) -> List[dict]:
+    def _prompt_logprobs(self, ids: List[int], top: int):
+        """The prompt's logprob entries, and the target's caches of it but its last token."""
+        from mlx_lm.models.cache import make_prompt_cache
+
         from ..scoring import prompt_logprobs
 
-        lps, tops = prompt_logprobs(self._model, ids, top)
-        return [logprob_entry(self.tokenizer, ids[0], None, None)] + [
+        cache = make_prompt_cache(self._model)
+        lps, tops = prompt_logprobs(self._model, ids, top, cache=cache)
+        entries = [logprob_entry(self.tokenizer, ids[0], None, None)] + [
             logprob_entry(self.tokenizer, t, lp, best) for t, lp, best in zip(ids[1:], lps, tops)]
+        return entries, cache
 
     def _solo_end(self, request: _Request, solo: bool, carry: Optional["_Carry"]):
         if solo:

@@ -86,10 +86,13 @@ class EnginePool:
 
     def resolve(self, name: Optional[str]) -> str:
         """The model id a request names: an id, a ``model_alias``, or (None) the model whose
-        settings say ``is_default``.  Raises UnknownModel or NoDefaultModel."""
+        settings say ``is_default``, else the only model served.  Raises UnknownModel or
+        NoDefaultModel."""
         ids, entries = self.model_ids(), self._entries()
         if name is None:
             default = [m for m in ids if _raw(entries, m, "is_default") is True]
+            if not default and len(ids) == 1:  # as mlx_lm.server: one model needs no name
+                return ids[0]
             if not default:
                 raise NoDefaultModel()
             return default[0]

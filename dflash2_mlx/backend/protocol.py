@@ -166,6 +166,32 @@ class ChatRequest(_Request):
         return [m.as_template_input() for m in self.messages]
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text (``add_special_tokens`` as the tokenizer's own) or chat
+    messages (rendered with the chat template, the generation prompt added)."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Optional[str] = Field(None, min_length=1)
+    prompt: Optional[str] = None
+    messages: Optional[List[Message]] = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send a prompt or messages (one of them)")
+        return self
+
+    def template_messages(self) -> List[dict]:
+        return [m.as_template_input() for m in self.messages]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Optional[str] = Field(None, min_length=1)
+    tokens: List[int]
+
+
 def validation_error(e) -> APIError:
     """The first pydantic error as an OpenAI 400, naming the parameter."""
     err = e.errors()[0]

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an engine pool.
 
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming or
-one JSON body), ``GET /health``, ``GET /metrics`` (engine stats). Each model runs up to
+one JSON body), ``GET /health``, ``GET /metrics`` (engine stats), and vLLM's tokenizer routes
+``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (lm-eval finds them). Each model runs up to
 ``max_batch`` requests at once (DFlash ones batched, see ``engine.py``); a full queue answers
 503 at once. Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects stops its
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import EngineError, InvalidOption, PromptTooLong, QueueFull
 from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
-from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
+from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response,
                        completion_chunk, completion_response, error_body, new_id, usage_chunk,
                        validation_error)
 from .settings import SettingsError
@@ -136,7 +137,44 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
                                           for p, r in zip(prompts, ids))), engine, *ids)
         return completion_response(rid, body.model, completions, body.logprobs is not None, echoed)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(model: Optional[str] = None):
+        engine = await _engine(pool, _Named(model))
+        tok = engine.tokenizer
+        return {"tokenizer_class": type(getattr(tok, "_tokenizer", tok)).__name__,
+                "eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": tok.pad_token,
+                "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": engine.context_window}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _parse(request, TokenizeRequest)
+        engine = await _engine(pool, body)
+        with _mapped_errors():
+            if body.messages is not None:
+                ids = engine.encode_chat(body.template_messages())
+            else:
+                ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        out = {"count": len(ids), "max_model_len": engine.context_window, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [engine.tokenizer.decode([t]) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _parse(request, DetokenizeRequest)
+        engine = await _engine(pool, body)
+        with _mapped_errors():
+            return {"prompt": engine.tokenizer.decode(engine.encode(body.tokens))}
+
     return app
+
+
+class _Named:
+    """A request that names a model and nothing else (a query parameter's)."""
+
+    def __init__(self, model: Optional[str]):
+        self.model = model
 
 
 def _model_card(pool: EnginePool, model_id: str) -> dict:
