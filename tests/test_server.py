@@ -236,6 +236,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": [[3, 4], []]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[3, 4], [5, 100000]], "echo": True}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "stream": True}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 6}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "chat_template_kwargs": [1]}, 400,

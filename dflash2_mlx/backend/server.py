@@ -2,9 +2,9 @@
 
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming or
 one JSON body), ``GET /health``, ``GET /metrics`` (engine stats), and vLLM's tokenizer routes
-``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (lm-eval finds them). Each model runs up to
-``max_batch`` requests at once (DFlash ones batched, see ``engine.py``); a full queue answers
-503 at once. Errors use OpenAI's body
+``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (lm-eval finds them). Each
+model runs up to ``max_batch`` requests at once (DFlash ones batched, see ``engine.py``); a
+full queue answers 503 at once (a batch of prompts counts one request each). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects stops its
 generation. Request bodies are JSON: a body sent with another Content-Type (text/plain, a
 form) gets 415; no Content-Type at all is read as JSON. With an API key (``api_key``) every
@@ -27,9 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import EngineError, InvalidOption, PromptTooLong, QueueFull
 from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
-from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response,
-                       completion_chunk, completion_response, error_body, new_id, usage_chunk,
-                       validation_error)
+from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       chat_chunk, chat_response, completion_chunk, completion_response, error_body,
+                       new_id, usage_chunk, validation_error)
 from .settings import SettingsError
 
 log = logging.getLogger("dflash2_mlx.server")
@@ -125,16 +125,22 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
         engine = await _engine(pool, body)
         rid = new_id("cmpl")
         prompts = body.prompts
-        echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
         with _mapped_errors():
+            echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
             if body.stream:
                 chunks = engine.stream_generate(prompts[0], request_id=rid, **body.options())
                 return _sse(_completion_events(rid, body, chunks, echoed and echoed[0]), engine, rid)
-            # A batch of prompts runs side by side (the engine batches them where it can).
+            # A batch of prompts runs side by side (the engine batches them where it can); one
+            # that fails fails the request, and stops the others.
             ids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(prompts))]
-            completions = await _until_disconnect(
-                request, asyncio.gather(*(engine.generate(p, request_id=r, **body.options())
-                                          for p, r in zip(prompts, ids))), engine, *ids)
+            try:
+                completions = await _until_disconnect(
+                    request, asyncio.gather(*(engine.generate(p, request_id=r, **body.options())
+                                              for p, r in zip(prompts, ids))), engine, *ids)
+            except BaseException:
+                for r in ids:
+                    engine.abort(r)
+                raise
         return completion_response(rid, body.model, completions, body.logprobs is not None, echoed)
 
     @app.get("/tokenizer_info")
@@ -358,7 +364,7 @@ async def _chat_events(rid, body: ChatRequest, chunks):
 
 def _prompt_text(engine, prompt) -> str:
     """What echo puts before a completion: the prompt as sent, token ids as text."""
-    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(engine.encode(prompt))
 
 
 async def _completion_events(rid, body: CompletionRequest, chunks, echoed: Optional[str] = None):
