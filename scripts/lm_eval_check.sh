@@ -32,32 +32,23 @@ with open(f"{out}/gsm8k_choice.jsonl", "w") as f:
         rng.shuffle(choices)
         f.write(json.dumps({"question": row["question"], "choices": choices, "label": choices.index(str(a)),
                             "answer": row["short_answer"]}) + "\n")
-with open(f"{out}/gsm8k_choice.yaml", "w") as f:
-    f.write(f"""task: gsm8k_choice
-dataset_path: json
+# Both tasks read the same records, with the same question prompt.
+common = f"""dataset_path: json
 dataset_kwargs:
   data_files:
     test: {out}/gsm8k_choice.jsonl
 test_split: test
-output_type: multiple_choice
 doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
+"""
+tasks = {"gsm8k_choice": """output_type: multiple_choice
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{label}}"
 metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
-""")
-with open(f"{out}/gsm8k_gen.yaml", "w") as f:
-    f.write(f"""task: gsm8k_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {out}/gsm8k_choice.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_target: "{{{{answer}}}}"
+""", "gsm8k_gen": """output_type: generate_until
+doc_to_target: "{{answer}}"
 generation_kwargs:
   until: ["Question:"]
   max_gen_toks: 128
@@ -67,14 +58,17 @@ filter_list:
     filter:
       - function: regex
         group_select: -1
-        regex_pattern: "(-?[$0-9.,]{{2,}})|(-?[0-9]+)"
+        regex_pattern: "(-?[$0-9.,]{2,})|(-?[0-9]+)"
       - function: take_first
 metric_list:
   - metric: exact_match
     aggregation: mean
     higher_is_better: true
     regexes_to_ignore: [",", "\\\\$", "\\\\.$"]
-""")
+"""}
+for name, body in tasks.items():
+    with open(f"{out}/{name}.yaml", "w") as f:
+        f.write(f"task: {name}\n" + common + body)
 PY
 MODEL=$(curl -s "$BASE/v1/models" | python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 lm_eval --model local-completions \
