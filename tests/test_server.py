@@ -341,6 +341,8 @@ def test_tokenizer_routes_as_vllm_serves_them(server):
     assert "".join(got["token_strs"]) == "hello world" and got["max_model_len"] == WINDOW
     chat = httpx.post(base + "/tokenize", json={"model": "tiny", "messages": CHAT}).json()
     assert chat["tokens"] == tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    as_prompt = httpx.post(base + "/tokenize", json={"prompt": CHAT, "add_special_tokens": False}).json()
+    assert as_prompt["tokens"] == chat["tokens"]  # lm-eval's --apply_chat_template sends them so
     assert httpx.post(base + "/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": "hello world"}
     for path, body, param in (("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": CHAT}, None),
                               ("/detokenize", {"tokens": [3, 100000]}, None),

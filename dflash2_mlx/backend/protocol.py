@@ -168,10 +168,11 @@ class ChatRequest(_Request):
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a text (``add_special_tokens`` as the tokenizer's own) or chat
-    messages (rendered with the chat template, the generation prompt added)."""
+    messages (rendered with the chat template, the generation prompt added). Messages sent
+    as the ``prompt`` count as messages: lm-eval's chat-template requests send them so."""
     model_config = ConfigDict(extra="allow", strict=True)
     model: Optional[str] = Field(None, min_length=1)
-    prompt: Optional[str] = None
+    prompt: Optional[Union[str, List[Message]]] = None
     messages: Optional[List[Message]] = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
@@ -180,6 +181,8 @@ class TokenizeRequest(BaseModel):
     def _one(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send a prompt or messages (one of them)")
+        if isinstance(self.prompt, list):
+            self.prompt, self.messages = None, self.prompt
         return self
 
     def template_messages(self) -> List[dict]:
