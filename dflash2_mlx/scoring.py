@@ -6,6 +6,8 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from .selector import top_candidates
+
 # Rows of full-vocabulary log-probabilities held at once (49k vocabulary: ~50 MB in fp32).
 CHUNK = 256
 
@@ -27,11 +29,9 @@ def prompt_logprobs(model, ids: List[int], top: int = 0, chunk: int = CHUNK,
         nxt = mx.array(ids[lo + 1 : hi + 1])
         picked = mx.take_along_axis(lps, nxt[:, None], axis=-1)[:, 0]
         if top:
-            idx = mx.argpartition(-lps, kth=top - 1, axis=-1)[:, :top]
-            vals = mx.take_along_axis(lps, idx, axis=-1)
+            idx, vals = top_candidates(lps, top)
             mx.eval(picked, idx, vals)
-            for row_i, row_v in zip(idx.tolist(), vals.tolist()):
-                tops.append(sorted(zip(row_i, row_v), key=lambda x: -x[1]))
+            tops.extend(list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist()))
         else:
             mx.eval(picked)
             tops.extend([] for _ in range(hi - lo))

@@ -186,7 +186,7 @@ class _Reply:
     """A request's text on its way out (both decoding paths): stop strings, tool calls, and
     the finish reason the client sees."""
 
-    def __init__(self, tokenizer, params: dict, tools, chat: bool = True):
+    def __init__(self, tokenizer, params: dict, tools, chat: bool):
         stop = params.get("stop") or []
         self.matcher = StopMatcher([stop] if isinstance(stop, str) else list(stop))
         self.tools = ToolCallSplitter(tokenizer, tools)
@@ -202,12 +202,12 @@ class _Reply:
         """Note a token's log-probabilities when the request asked for them."""
         if self.top is None or (finish_reason == "stop" and not self.stop_entry):
             return
-        import mlx.core as mx
+        from ..selector import top_candidates
 
         top = []
         if self.top:
-            idx = mx.argpartition(-logprobs, kth=self.top - 1)[: self.top]
-            top = sorted(zip(idx.tolist(), logprobs[idx].tolist()), key=lambda x: -x[1])
+            idx, vals = top_candidates(logprobs, self.top)
+            top = list(zip(idx.tolist(), vals.tolist()))
         self.pending.append(logprob_entry(self.tokenizer, token, logprobs[token].item(), top))
 
     def take(self) -> List[dict]:
@@ -896,18 +896,19 @@ class Engine:
             drafting = mode != "off" and self._drafter is not None
             penalties = _penalties(p, s)
             reply = _Reply(self.tokenizer, p, request.tools, request.chat)
+            limit = self._max_tokens(p)
             scored = None
             if p.get("prompt_logprobs") is not None:
                 entries, scored = self._prompt_logprobs(request.ids, p["prompt_logprobs"])
                 push(Chunk("", None, n_prompt, prompt_logprobs=entries))
-            if self._max_tokens(p) == 0:  # scored, not continued
+            if limit == 0:  # scored, not continued
                 finish = "length"
                 push(Chunk("", finish, n_prompt, engine=engine))
                 return
             # Plain decoding shows its penalties only the uncached tokens: no reuse with them.
             reuse = drafting or not set(penalties) - {"logit_bias"}
             if (scored is not None and reuse and all(c.is_trimmable() for c in scored)
-                    and self._max_tokens(p) <= SCORED_PLAIN_MAX):
+                    and limit <= SCORED_PLAIN_MAX):
                 # A short reply to a scored prompt (lm-eval's: one token) goes on from the
                 # scoring pass's caches, plain: no second prefill of the prompt.
                 mode, drafting = "off", False
@@ -918,7 +919,7 @@ class Engine:
                                                 s.draft_window, reuse=reuse, sink=s.draft_sink)
             gen = stream_generate(
                 self._model, self.tokenizer, request.ids, self._drafter,
-                max_tokens=self._max_tokens(p), **self._sampling(p),
+                max_tokens=limit, **self._sampling(p),
                 logits_processors=make_logits_processors(**penalties) if penalties else None,
                 block_size=s.dflash_block_size, verify_mode=mode, seed=p.get("seed"),
                 draft_window=s.draft_window, draft_sink=s.draft_sink, prompt_cache=start.cache,

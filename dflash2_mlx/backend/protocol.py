@@ -76,6 +76,12 @@ class _Request(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
+def _prompts(prompt) -> list:
+    """A completions prompt as a list of prompts (a batch is a list of texts or id lists)."""
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    return list(prompt) if batch else [prompt]
+
+
 class CompletionRequest(_Request):
     # A text, token ids, or a batch of either (one choice each, in order; lm-eval sends these)
     prompt: Union[str, List[int], List[str], List[List[int]]]
@@ -87,11 +93,8 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if isinstance(v, list) and not v:
+        if any(len(one) == 0 for one in _prompts(v)):  # "", [] and a batch's empty one
             raise ValueError("the prompt is empty")
-        for one in v if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]:
-            if len(one) == 0:
-                raise ValueError("the prompt is empty")
         return v
 
     @model_validator(mode="after")
@@ -105,8 +108,7 @@ class CompletionRequest(_Request):
     @property
     def prompts(self) -> list:
         """The request's prompts: each a text or a list of token ids."""
-        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
-        return list(self.prompt) if batch else [self.prompt]
+        return _prompts(self.prompt)
 
     def options(self) -> dict:
         out = super().options()

@@ -133,14 +133,9 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
             # A batch of prompts runs side by side (the engine batches them where it can); one
             # that fails fails the request, and stops the others.
             ids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(prompts))]
-            try:
-                completions = await _until_disconnect(
-                    request, asyncio.gather(*(engine.generate(p, request_id=r, **body.options())
-                                              for p, r in zip(prompts, ids))), engine, *ids)
-            except BaseException:
-                for r in ids:
-                    engine.abort(r)
-                raise
+            completions = await _until_disconnect(
+                request, asyncio.gather(*(engine.generate(p, request_id=r, **body.options())
+                                          for p, r in zip(prompts, ids))), engine, *ids)
         return completion_response(rid, body.model, completions, body.logprobs is not None, echoed)
 
     @app.get("/tokenizer_info")
@@ -305,20 +300,21 @@ class _mapped_errors:
 
 
 async def _until_disconnect(request: Request, work, engine, *rids):
-    """Await ``work``; if the client goes away first, abort its requests."""
+    """Await ``work``; if the client goes away first, or the work fails (one prompt of a
+    batch), abort its requests (a no-op for those already finished)."""
     task = asyncio.ensure_future(work)
+    finished = False
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
-                return task.result()
+                result = task.result()
+                finished = True
+                return result
             if await request.is_disconnected():
-                for rid in rids:
-                    engine.abort(rid)
-                task.cancel()
                 raise APIError(499, "client disconnected")
     finally:
-        if not task.done():
+        if not finished:
             for rid in rids:
                 engine.abort(rid)
             task.cancel()
