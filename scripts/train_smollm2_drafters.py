@@ -299,7 +299,8 @@ def check(args):
         target = attach(model, drafter)
         tally = Tally(args.block_size - 1)
         for i, (ids, start) in enumerate(seqs):
-            tally.add(*offline_hits(target, drafter, ids, start, args.block_size, 16, 32, seed=i))
+            tally.add(*offline_hits(target, drafter, ids, start, args.block_size, 16, 32, seed=i),
+                      every_anchor=False)
         r = tally.result(drafter.version)
         print(f"{path}: top-1 tau {r['tau_top1']:.3f}"
               + (f" selector tau {r['tau_selector']:.3f}" if drafter.version == 2 else "")

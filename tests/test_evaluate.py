@@ -32,6 +32,13 @@ def test_conditional_recall_and_leading_by_hand():
     assert r["recall_at_k"] == [1.0] * 4
     assert r["tau_top1"] == pytest.approx(1 + 7 / 4)
     assert r["tau_oracle"] == 5.0 and r["tau_selector"] == r["tau_top1"]
+    # A T=0 run visits anchor 0 (accepts 2: next anchor 3), then anchor 3 (accepts 4).
+    assert E.loop_anchors(E.leading(hits)).tolist() == [0, 3]
+    assert r["tau_loop"] == pytest.approx((3 + 5) / 2)
+    assert E.loop_anchors(np.array([0, 0, 1, 0, 3, 0, 0])).tolist() == [0, 1, 2, 4]
+    sub = E.Tally(4)
+    sub.add(hits, hits, every_anchor=False)  # anchors left out: no run to follow
+    assert sub.result(version=1)["tau_loop"] is None
 
 
 @pytest.fixture(scope="module")
