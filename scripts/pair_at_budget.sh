@@ -19,6 +19,7 @@ cd pair-budgets
 [[ -f features-first.safetensors ]] ||
     python "$T" features data-first.jsonl features-first.safetensors --max-len 448 --batch 8
 B="$HERE/../dflash2_mlx/bench_data"
+BLOCKS=${BLOCKS:-5}
 for steps in "$@"; do
     for v in 2 1; do
         [[ -d run-v$v-$steps/final ]] || python "$T" train --version $v data-first.jsonl features-first.safetensors \
@@ -26,7 +27,11 @@ for steps in "$@"; do
             --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 --warm-layers 28,29 \
             > train-v$v-$steps.log 2>&1
     done
-    [[ -f eval-$steps/report.md ]] || dflash2-mlx eval -d v1=run-v1-$steps/final -d v2=run-v2-$steps/final \
-        -b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" \
-        -b "$B/mt_bench.jsonl" --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-$steps
+    for b in $BLOCKS; do
+        out=eval-$steps
+        (( b == 5 )) || out=eval-$steps-b$b
+        [[ -f $out/report.md ]] || dflash2-mlx eval -d v1=run-v1-$steps/final -d v2=run-v2-$steps/final \
+            -b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" \
+            -b "$B/mt_bench.jsonl" --limit 3 --max-tokens 48 --block-size "$b" --temp 0 --temp 1 -o "$out"
+    done
 done
