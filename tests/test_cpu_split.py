@@ -61,9 +61,10 @@ def test_split_pass_matches_the_unsplit_one(tmp_path, blas, monkeypatch, family)
     def run(ids, split: bool):
         """Logits and features of a pass over ``ids`` after a prompt; the thread counts set
         and the products computed split during that pass."""
-        monkeypatch.setenv("DFLASH2_MLX_CPU_SPLIT", "1" if split else "0")
+        monkeypatch.setenv("DFLASH2_MLX_CPU_SPLIT", "0")  # the same cache before either pass
         cache = target.make_cache()
         target(mx.array([tok.encode("abc dab ")]), cache)
+        monkeypatch.setenv("DFLASH2_MLX_CPU_SPLIT", "1" if split else "0")
         calls.clear(), products.clear()
         logits, features = target(mx.array([ids]), cache)
         return mx.concatenate([logits, features], axis=-1), list(calls)
