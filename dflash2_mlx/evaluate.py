@@ -82,11 +82,12 @@ class Tally:
         n = hit1.shape[0]
         self.s["blocks"] += n
         self.s["oracle"] += int(leading(hitk).sum()) + n
-        self.s["top1"] += int(leading(hit1).sum()) + n
+        lead = leading(hit1)  # then the drafted path's: the walk's for DFlash 2
+        self.s["top1"] += int(lead.sum()) + n
         if hitsel is not None:
-            self.s["selector"] += int(leading(hitsel).sum()) + n
+            lead = leading(hitsel)
+            self.s["selector"] += int(lead.sum()) + n
         if every_anchor:
-            lead = leading(hit1 if hitsel is None else hitsel)
             visited = loop_anchors(lead)
             self.s["loop"] += int(lead[visited].sum()) + len(visited)
             self.s["loop_blocks"] += len(visited)
