@@ -9,6 +9,11 @@
 # Needs the recipe's data.jsonl (its stage 2, or DATA_ONLY=1) in WORK_DIR. Resumes (features
 # written once, checkpoints every 25 steps). 100 steps: features of the 640 records ~12 min,
 # ~5 s a step for each drafter with the recipe sharing the CPU, the eval ~8 min.
+#
+# Other drafters than the recipe's (runs and reports then carry a -L<layers> suffix):
+#   LAYERS=4 WARM=26,27,28,29   both drafters 4 layers deep, starting as the target's last four
+#   VERSIONS=2                  only the DFlash 2 drafter (evaluated alone)
+#   BLOCKS="5 8"                evaluated at these block sizes (default 5)
 set -euo pipefail
 WORK=${1:?WORK_DIR}
 shift
@@ -20,17 +25,25 @@ cd pair-budgets
     python "$T" features data-first.jsonl features-first.safetensors --max-len 448 --batch 8
 B="$HERE/../dflash2_mlx/bench_data"
 BLOCKS=${BLOCKS:-5}
+LAYERS=${LAYERS:-2}
+WARM=${WARM:-28,29}
+VERSIONS=${VERSIONS:-2 1}
+depth=""
+(( LAYERS == 2 )) || depth=-L$LAYERS
 for steps in "$@"; do
-    for v in 2 1; do
-        [[ -d run-v$v-$steps/final ]] || python "$T" train --version $v data-first.jsonl features-first.safetensors \
-            run-v$v-$steps --steps "$steps" --lr 2e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 0 \
-            --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 --warm-layers 28,29 \
-            > train-v$v-$steps.log 2>&1
+    drafters=()
+    for v in $VERSIONS; do
+        run=run-v$v-$steps$depth
+        [[ -d $run/final ]] || python "$T" train --version $v data-first.jsonl features-first.safetensors \
+            "$run" --steps "$steps" --lr 2e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 0 \
+            --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 --layers "$LAYERS" \
+            --warm-layers "$WARM" > "train-v$v-$steps$depth.log" 2>&1
+        drafters=(-d "v$v=$run/final" "${drafters[@]}")
     done
     for b in $BLOCKS; do
-        out=eval-$steps
-        (( b == 5 )) || out=eval-$steps-b$b
-        [[ -f $out/report.md ]] || dflash2-mlx eval -d v1=run-v1-$steps/final -d v2=run-v2-$steps/final \
+        out=eval-$steps$depth
+        (( b == 5 )) || out=$out-b$b
+        [[ -f $out/report.md ]] || dflash2-mlx eval "${drafters[@]}" \
             -b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" \
             -b "$B/mt_bench.jsonl" --limit 3 --max-tokens 48 --block-size "$b" --temp 0 --temp 1 -o "$out"
     done
