@@ -10,11 +10,12 @@
 # written once, checkpoints every 25 steps). 100 steps: features of the 640 records ~12 min,
 # ~5 s a step for each drafter with the recipe sharing the CPU, the eval ~8 min.
 #
-# Other drafters than the recipe's (runs and reports then carry a -L<layers> suffix):
-#   LAYERS=4 WARM=26,27,28,29   both drafters 4 layers deep, starting as the target's last four
-#                               (DFlash 2 at 500 steps: 4.8 s a step on a quiet CPU, 41 min)
-#   VERSIONS=2                  only the DFlash 2 drafter (evaluated alone)
-#   BLOCKS="5 8"                evaluated at these block sizes (default 5)
+# Other drafters than the recipe's:
+#   LAYERS=4       both drafters 4 layers deep, starting as the target's last four (26-29);
+#                  runs and reports carry -L4 (DFlash 2 at 500 steps: 4.8 s a step on a
+#                  quiet CPU, 41 min)
+#   VERSIONS=2     only the DFlash 2 drafter (its report alone carries -v2)
+#   BLOCKS="5 8"   evaluated at these block sizes (default 5)
 set -euo pipefail
 WORK=${1:?WORK_DIR}
 shift
@@ -27,10 +28,14 @@ cd pair-budgets
 B="$HERE/../dflash2_mlx/bench_data"
 BLOCKS=${BLOCKS:-5}
 LAYERS=${LAYERS:-2}
-WARM=${WARM:-28,29}
 VERSIONS=${VERSIONS:-2 1}
+# The warm start follows from the depth (the target's last LAYERS of its 30 layers), so a run's
+# name says all that differs from the recipe and a resumed run is never another one's.
+WARM=$(seq -s, $((30 - LAYERS)) 29)
 depth=""
 (( LAYERS == 2 )) || depth=-L$LAYERS
+only=""
+[[ $VERSIONS == "2 1" ]] || only=-v${VERSIONS// /}
 for steps in "$@"; do
     drafters=()
     for v in $VERSIONS; do
@@ -39,10 +44,10 @@ for steps in "$@"; do
             "$run" --steps "$steps" --lr 2e-3 --batch-size 8 --max-anchors 32 --max-len 448 --seed 0 \
             --save-every 25 --min-block-size 3 --distill 1 --sliding-window 64 --layers "$LAYERS" \
             --warm-layers "$WARM" > "train-v$v-$steps$depth.log" 2>&1
-        drafters=(-d "v$v=$run/final" "${drafters[@]}")
+        drafters=(-d "v$v=$run/final" "${drafters[@]}")  # v1 first, as the pair's reports list it
     done
     for b in $BLOCKS; do
-        out=eval-$steps$depth
+        out=eval-$steps$depth$only
         (( b == 5 )) || out=$out-b$b
         [[ -f $out/report.md ]] || dflash2-mlx eval "${drafters[@]}" \
             -b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" \
