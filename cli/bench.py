@@ -40,11 +40,11 @@ def bench(
         return
     import mlx_lm
 
-    from dflash2_mlx.bench import default_bench_files, markdown, run_bench, sample_prompts, write_report
-    from dflash2_mlx.loading import load_drafter, resolve
+    from ..eval.bench import default_bench_files, markdown, run_bench, sample_prompts, write_report
+    from ..model.checkpoint import load_drafter, resolve
 
     if model is None:
-        from dflash2_mlx.defaults import default_pair, default_v1_drafter
+        from ..builtin.defaults import default_pair, default_v1_drafter
 
         model, shipped_v2 = default_pair()
         drafter_v2 = drafter_v2 or shipped_v2
@@ -106,7 +106,7 @@ def serve(
 ):
     """The server under 1, 2, 4, 8 concurrent streaming clients: continuous batching against
     one request at a time, side by side (aggregate and per-stream tok/s, τ, p50/p95 latency)."""
-    from dflash2_mlx.bench_serve import markdown, run_serve_bench, write_report
+    from ..eval.bench_serve import markdown, run_serve_bench, write_report
 
     if model is not None and draft is None:
         raise typer.BadParameter("--model needs --draft (the drafter both servers use)")
@@ -137,7 +137,7 @@ def kernels(
     repeats: int = typer.Option(20, "--repeats", help="Timed repeats (median)."),
 ):
     """The Metal kernels (dynamic conv, path selector) against their pure-MLX twins."""
-    from dflash2_mlx.kernel_bench import bench_kernels
+    from ..eval.kernel_bench import bench_kernels
 
     bench_kernels(hidden=hidden, blocks=tuple(blocks), top_k=top_k, rank=rank, vocab=vocab,
                   batch=batch, repeats=repeats, echo=typer.echo)

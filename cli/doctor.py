@@ -10,6 +10,6 @@ def register(app: typer.Typer):
 
 def doctor():
     """Report the BLAS in use (Linux CPU) and, per kernel, the active path and self-check result."""
-    from dflash2_mlx.doctor import run_doctor
+    from ..machine.doctor import run_doctor
 
     run_doctor(echo=typer.echo)

@@ -12,7 +12,7 @@ def register(app: typer.Typer):
 
 def eval_command(
     draft: List[str] = typer.Option(..., "--draft", "-d", help="Drafter directory or hub id; repeat to compare, NAME=PATH to label it."),
-    bench: List[Path] = typer.Option(..., "--bench", "-b", help="Prompt jsonl (text or chat records); repeat. E.g. the five sets shipped in dflash2_mlx/bench_data/."),
+    bench: List[Path] = typer.Option(..., "--bench", "-b", help="Prompt jsonl (text or chat records); repeat. E.g. the five sets shipped in dflash2_mlx/builtin/bench_data/."),
     out: Path = typer.Option(..., "--out", "-o", help="Report directory: report.json, report.md, recall.png, acceptance.png."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: mlx-lm model directory or hub id. Default: the built-in SmolLM2-135M-Instruct."),
     limit: Optional[int] = typer.Option(8, "--limit", help="Prompts per benchmark."),
@@ -26,11 +26,11 @@ def eval_command(
     """Evaluate drafters on prompt sets: Recall@1/@k by position, oracle tau, tau at T=0/T=1."""
     import mlx_lm
 
-    from dflash2_mlx.evaluate import evaluate, load_benches, markdown, write_report
-    from dflash2_mlx.loading import load_drafter, resolve
+    from ..eval.evaluate import evaluate, load_benches, markdown, write_report
+    from ..model.checkpoint import load_drafter, resolve
 
     if model is None:
-        from dflash2_mlx.smollm2 import default_target_path
+        from ..builtin.smollm2 import default_target_path
 
         model = str(default_target_path())
     target, tokenizer = mlx_lm.load(str(resolve(model)))

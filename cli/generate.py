@@ -103,9 +103,9 @@ def generate(
 
     from dflash2_mlx import load, stream_generate
     from dflash2_mlx.generate import chat_ids, stats_line
-    from dflash2_mlx.sampling import xtc_special_tokens
-    from dflash2_mlx.prompt_cache_file import query_ids, read_prompt_cache
-    from dflash2_mlx.smollm2 import is_builtin_target
+    from ..loop.sampling import xtc_special_tokens
+    from ..loop.prompt_cache_file import query_ids, read_prompt_cache
+    from ..builtin.smollm2 import is_builtin_target
 
     if (prompt is None) == (messages_file is None):
         raise typer.BadParameter("give exactly one of --prompt or --messages-file")

@@ -22,7 +22,7 @@ COMPUTE_COMMANDS = {"generate", "serve", "bench", "eval", "train"}
 def main(ctx: typer.Context):
     """DFlash 2 speculative decoding for MLX."""
     if ctx.invoked_subcommand in COMPUTE_COMMANDS:
-        from dflash2_mlx.doctor import blas_hint
+        from ..machine.doctor import blas_hint
 
         hint = blas_hint()
         if hint:

@@ -12,7 +12,7 @@ API_KEY_ENV = "DFLASH2_MLX_API_KEY"
 
 def builtin_settings() -> dict:
     """The settings `serve` with no model gives the built-in model: its shipped drafter."""
-    from dflash2_mlx.defaults import drafter_path
+    from ..builtin.defaults import drafter_path
 
     return {"dflash_enabled": True, "dflash_draft_model": str(drafter_path())}
 
@@ -58,7 +58,7 @@ def serve(
         models[model_id or Path(path).expanduser().name] = path
     if not models and model_dir is None:
         # Like `generate`: with no model given, serve the built-in pair.
-        from dflash2_mlx.defaults import default_pair
+        from ..builtin.defaults import default_pair
 
         target, default_draft = default_pair()
         models = {BUILTIN_ID: target}

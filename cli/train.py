@@ -52,7 +52,7 @@ def train(
     from dflash2_mlx.train import TrainConfig, train_drafter
 
     if model is None:
-        from dflash2_mlx.smollm2 import default_target_path
+        from ..builtin.smollm2 import default_target_path
 
         model = str(default_target_path())
     if data_only:
@@ -60,7 +60,7 @@ def train(
             raise typer.BadParameter("--data-only needs --prompts")
         import mlx_lm
 
-        from dflash2_mlx.loading import resolve
+        from ..model.checkpoint import resolve
         from dflash2_mlx.train.data import generate_dataset
 
         target, tokenizer = mlx_lm.load(str(resolve(model)))

@@ -13,12 +13,12 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import adaptive
-from .draft_context import DraftContext
-from .drafter import Drafter
-from .loading import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
-from .sampling import SamplingParams
-from .speculative import kv_offset, speculative_generate_step
-from .target import attach
+from .loop.draft_context import DraftContext
+from .model.drafter import Drafter
+from .model.checkpoint import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
+from .loop.sampling import SamplingParams
+from .loop.cycle import kv_offset, speculative_generate_step
+from .loop.target import attach
 
 VERIFY_MODES = ("dflash", "adaptive", "off")
 
@@ -61,7 +61,7 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
     drafter shipped for it.  Returns (model, tokenizer, drafter); drafter is None when a
     ``target`` is given without ``draft``."""
     if target is None:
-        from .defaults import default_pair
+        from .builtin.defaults import default_pair
 
         target, shipped = default_pair()
         draft = draft or shipped

@@ -25,10 +25,10 @@ import numpy as np
 
 from dflash2_mlx import adaptive, load
 from dflash2_mlx.batch import BatchGenerator
-from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import attach
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.target import attach
 
-DATA = Path(__file__).resolve().parent.parent / "dflash2_mlx" / "bench_data"
+DATA = Path(__file__).resolve().parent.parent / "dflash2_mlx" / "builtin" / "bench_data"
 
 
 def prompts(tokenizer, n: int):

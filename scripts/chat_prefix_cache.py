@@ -26,7 +26,7 @@ QUESTIONS = ["How many eggs does Janet sell each day? Answer in one sentence.",
 
 def worked_answers(tokens: int) -> str:
     """Worked GSM8K answers from the shipped prompt set, about ``tokens`` tokens of them."""
-    data = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "bench_data" / "gsm8k_test.jsonl"
+    data = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "builtin" / "bench_data" / "gsm8k_test.jsonl"
     parts, size = [], 0
     for line in data.read_text().splitlines():
         row = json.loads(line)

@@ -16,13 +16,13 @@ import argparse
 import mlx_lm
 import numpy as np
 
-from dflash2_mlx.bench import default_bench_files
-from dflash2_mlx.defaults import drafter_path
-from dflash2_mlx.evaluate import greedy_responses, leading, load_benches, offline_hits
-from dflash2_mlx.loading import load_drafter
-from dflash2_mlx.lookup import MIN_N, Lookup
-from dflash2_mlx.smollm2 import default_target_path
-from dflash2_mlx.target import attach
+from dflash2_mlx.eval.bench import default_bench_files
+from dflash2_mlx.builtin.defaults import drafter_path
+from dflash2_mlx.eval.evaluate import greedy_responses, leading, load_benches, offline_hits
+from dflash2_mlx.model.checkpoint import load_drafter
+from dflash2_mlx.loop.lookup import MIN_N, Lookup
+from dflash2_mlx.builtin.smollm2 import default_target_path
+from dflash2_mlx.loop.target import attach
 
 
 def main():

@@ -19,7 +19,7 @@ shift $(( $# < 3 ? $# : 3 ))
 HERE=$(cd "$(dirname "$0")" && pwd)
 TASK=$(mktemp -d)
 trap 'rm -rf "$TASK"' EXIT
-python3 - "$HERE/../dflash2_mlx/bench_data/gsm8k_test.jsonl" "$TASK" "$N" <<'PY'
+python3 - "$HERE/../dflash2_mlx/builtin/bench_data/gsm8k_test.jsonl" "$TASK" "$N" <<'PY'
 import json, random, sys
 
 src, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3])

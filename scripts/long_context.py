@@ -18,11 +18,11 @@ import mlx.core as mx
 import mlx_lm
 
 from dflash2_mlx import load, stream_generate
-from dflash2_mlx.bench import default_bench_files
-from dflash2_mlx.defaults import default_pair
-from dflash2_mlx.draft_context import DraftContext
-from dflash2_mlx.speculative import prefill
-from dflash2_mlx.target import attach
+from dflash2_mlx.eval.bench import default_bench_files
+from dflash2_mlx.builtin.defaults import default_pair
+from dflash2_mlx.loop.draft_context import DraftContext
+from dflash2_mlx.loop.cycle import prefill
+from dflash2_mlx.loop.target import attach
 from dflash2_mlx.train.data import read_prompts
 
 

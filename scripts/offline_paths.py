@@ -17,12 +17,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash2_mlx.evaluate import drafted_blocks, greedy_responses, leading, load_benches
+from dflash2_mlx.eval.evaluate import drafted_blocks, greedy_responses, leading, load_benches
 from dflash2_mlx.generate import load
-from dflash2_mlx.selector import walk_reference
-from dflash2_mlx.target import attach
+from dflash2_mlx.model.selector import walk_reference
+from dflash2_mlx.loop.target import attach
 
-SETS = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "bench_data"
+SETS = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "builtin" / "bench_data"
 
 
 def walk_from(scores, first):

@@ -25,7 +25,7 @@ cd pair-budgets
 [[ -f data-first.jsonl ]] || head -n 640 ../data.jsonl > data-first.jsonl
 [[ -f features-first.safetensors ]] ||
     python "$T" features data-first.jsonl features-first.safetensors --max-len 448 --batch 8
-B="$HERE/../dflash2_mlx/bench_data"
+B="$HERE/../dflash2_mlx/builtin/bench_data"
 BLOCKS=${BLOCKS:-5}
 LAYERS=${LAYERS:-2}
 VERSIONS=${VERSIONS:-2 1}

@@ -12,8 +12,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from dflash2_mlx.generate import load
-from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import attach
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.target import attach
 
 TOKENS = 64
 

@@ -1,6 +1,6 @@
 """Where a DFlash cycle's time goes on the built-in pair (SmolLM2-135M-Instruct + the
 shipped DFlash 2 drafter): target passes over 1 and b rows, the drafter pass, propose,
-and the bookkeeping left in a real cycle (``dflash2_mlx.profile.cycle_breakdown``).
+and the bookkeeping left in a real cycle (``dflash2_mlx.eval.profile.cycle_breakdown``).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python scripts/profile_cycle.py [--draft DIR]
 """
@@ -8,7 +8,7 @@ and the bookkeeping left in a real cycle (``dflash2_mlx.profile.cycle_breakdown`
 import argparse
 
 from dflash2_mlx import load
-from dflash2_mlx.profile import cycle_breakdown, format_breakdown
+from dflash2_mlx.eval.profile import cycle_breakdown, format_breakdown
 
 
 def main():

@@ -10,9 +10,9 @@ import sys
 
 import mlx.core as mx
 
-from dflash2_mlx.defaults import drafter_path
-from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.loading import load_drafter, quantize, save_drafter
+from dflash2_mlx.builtin.defaults import drafter_path
+from dflash2_mlx.model.drafter import Drafter
+from dflash2_mlx.model.checkpoint import load_drafter, quantize, save_drafter
 
 if __name__ == "__main__":
     config = load_drafter(str(drafter_path())).config

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from dflash2_mlx import adaptive, load
-from dflash2_mlx.bench import default_bench_files, sample_prompts
-from dflash2_mlx.evaluate import greedy_responses, leading, offline_hits
-from dflash2_mlx.target import attach
+from dflash2_mlx.eval.bench import default_bench_files, sample_prompts
+from dflash2_mlx.eval.evaluate import greedy_responses, leading, offline_hits
+from dflash2_mlx.loop.target import attach
 from dflash2_mlx.train.features import target_features
 
 

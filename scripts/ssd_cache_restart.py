@@ -18,7 +18,7 @@ from pathlib import Path
 from chat_prefix_cache import worked_answers  # scripts/, beside this one
 from dflash2_mlx.backend.engine import Engine
 from dflash2_mlx.backend.settings import ModelSettings
-from dflash2_mlx.defaults import default_pair
+from dflash2_mlx.builtin.defaults import default_pair
 
 
 async def first_token(engine, prompt):

@@ -19,9 +19,9 @@ import mlx.core as mx
 
 import dflash2_mlx as d
 from dflash2_mlx import adaptive
-from dflash2_mlx.bench import default_bench_files, sample_prompts
-from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import attach
+from dflash2_mlx.eval.bench import default_bench_files, sample_prompts
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.target import attach
 from dflash2_mlx.train.data import encode
 
 

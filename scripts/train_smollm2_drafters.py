@@ -35,7 +35,7 @@ DRAFT_VOCAB = 8192
 def _target():
     import mlx_lm
 
-    from dflash2_mlx.smollm2 import default_target_path
+    from dflash2_mlx.builtin.smollm2 import default_target_path
 
     path = str(default_target_path())
     return path, *mlx_lm.load(path)
@@ -49,7 +49,7 @@ def _layer_ids(model):
 
 
 def features(args):
-    from dflash2_mlx.target import Target
+    from dflash2_mlx.loop.target import Target
     from dflash2_mlx.train.data import read_dataset, sequences
     from dflash2_mlx.train.features import target_features
 
@@ -102,11 +102,10 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
     mlx's unit norm weights the first logits are huge (CE ~65 on SmolLM2, ~90 with the
     target's own norm weights), with the scaled ones CE starts at ~15 (uniform: 10.8).
     Its draft vocabulary: the ``draft_vocab`` tokens most frequent in the training data."""
-    from dflash2_mlx.loading import save_drafter
-    from dflash2_mlx.target import model_args, text_model
+    from dflash2_mlx.model.checkpoint import save_drafter
+    from dflash2_mlx.loop.target import model_args, text_model
     from dflash2_mlx.train.data import read_dataset
-    from dflash2_mlx.train.init import (default_mask_token_id, frequent_tokens, new_drafter,
-                                        new_drafter_config)
+    from dflash2_mlx.train.init import (default_mask_token_id, frequent_tokens, new_drafter, new_drafter_config)
 
     V = model_args(model).vocab_size
     cfg = new_drafter_config(model, version=version, mask_token_id=default_mask_token_id(tokenizer, V),
@@ -177,7 +176,7 @@ def ship(args):
     """Quantize the Linear weights, store the selector codebooks in fp16, write a README."""
     from mlx.utils import tree_flatten
 
-    from dflash2_mlx.loading import load_drafter, quantize, save_drafter
+    from dflash2_mlx.model.checkpoint import load_drafter, quantize, save_drafter
 
     drafter = load_drafter(args.run)
     quantize(drafter, args.bits, args.group_size)
@@ -287,9 +286,9 @@ Learning curve (training batches, means over windows of a twelfth of all steps, 
 def check(args):
     """Offline tau (block size ``--block-size``) of drafters on dataset sequences: the
     quantized shipped copy against the fp32 run it came from."""
-    from dflash2_mlx.evaluate import Tally, offline_hits
-    from dflash2_mlx.loading import load_drafter
-    from dflash2_mlx.target import attach
+    from dflash2_mlx.eval.evaluate import Tally, offline_hits
+    from dflash2_mlx.model.checkpoint import load_drafter
+    from dflash2_mlx.loop.target import attach
     from dflash2_mlx.train.data import read_dataset, sequences
 
     _, model, _ = _target()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce the drafters shipped for SmolLM2-135M-Instruct:
-#   dflash2_mlx/drafters/smollm2-135m-dflash2  (DFlash 2, the default drafter)
-#   dflash2_mlx/drafters/smollm2-135m-dflash1  (DFlash v1: the comparison run, same data, steps and seed
+#   dflash2_mlx/builtin/drafters/smollm2-135m-dflash2  (DFlash 2, the default drafter)
+#   dflash2_mlx/builtin/drafters/smollm2-135m-dflash1  (DFlash v1: the comparison run, same data, steps and seed
 #                                               as the first DFlash 2 run below)
 #
 #   scripts/train_smollm2_drafters.sh [WORK_DIR]      (default: ~/.cache/dflash2-work)
@@ -165,8 +165,8 @@ train2 data-all10.jsonl run-s10 run-s9 500 10 1e-3 features-d.safetensors featur
 #    (tau at block 5 1.76 vs 1.79 at T=0, 1.60 vs 1.60 at T=1, selector tau 2.03 vs 2.01,
 #    oracle tau@16 3.00 vs 3.01): not better, so the shipped one was kept.
 (( DATA_ONLY )) && exit 0
-DEST="$HERE/../dflash2_mlx/drafters"
-B="$HERE/../dflash2_mlx/bench_data"
+DEST="$HERE/../dflash2_mlx/builtin/drafters"
+B="$HERE/../dflash2_mlx/builtin/bench_data"
 SETS=(-b "$B/gsm8k_test.jsonl" -b "$B/math500.jsonl" -b "$B/humaneval.jsonl" -b "$B/mbpp_test.jsonl" -b "$B/mt_bench.jsonl")
 python "$T" ship run-v1/final "$DEST/smollm2-135m-dflash1" --bits 8 --data data-first.jsonl --warm-layers 28,29
 SHIP=(--bits 8 --data data-all10.jsonl --previous run-s4/final --previous run-s5/final --previous run-s6/final
@@ -177,7 +177,7 @@ python "$T" ship run-s9/final shipped-s9 --bits 8 --data data-all9.jsonl --previ
     --previous run-s5/final --previous run-s6/final --previous run-s7/final --previous run-s8/final --domain --magpie \
     --sampled 512
 # "before": the DFlash 2 drafter in the package until this line replaces it (keep this one
-# only if it does better: git checkout -- dflash2_mlx/drafters otherwise).
+# only if it does better: git checkout -- dflash2_mlx/builtin/drafters otherwise).
 [[ -f eval-s10/report.md ]] || dflash2-mlx eval -d v1="$DEST/smollm2-135m-dflash1" -d before="$DEST/smollm2-135m-dflash2" \
     -d previous=shipped-s9 -d this=shipped-s10 "${SETS[@]}" \
     --limit 3 --max-tokens 48 --block-size 5 --temp 0 --temp 1 -o eval-s10

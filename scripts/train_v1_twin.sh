@@ -28,10 +28,10 @@ phase 1 data-all10.jsonl run-t1-s10 run-t1-s9 500 10 1e-3 "${D[@]}"
 
 # Side by side with the recipe's own DFlash 2 run; after DATA_ONLY=1 (no DFlash 2 trained here)
 # with the shipped one, which the same recipe made, both then 8-bit as shipped.
-B="$HERE/../dflash2_mlx/bench_data"
+B="$HERE/../dflash2_mlx/builtin/bench_data"
 V1=run-t1-s10/final V2=run-s10/final
 if [[ ! -d $V2 ]]; then
-    V2="$HERE/../dflash2_mlx/drafters/smollm2-135m-dflash2" V1=shipped-t1-s10
+    V2="$HERE/../dflash2_mlx/builtin/drafters/smollm2-135m-dflash2" V1=shipped-t1-s10
     [[ -d $V1 ]] || python "$T" ship run-t1-s10/final "$V1" --bits 8 --data data-all10.jsonl --warm-layers 28,29
 fi
 [[ -f eval-twin/report.md ]] || dflash2-mlx eval -d v1="$V1" -d v2="$V2" \

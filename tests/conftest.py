@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from dflash2_mlx.smollm2 import MODEL_DIR, cache_home
+from dflash2_mlx.builtin.smollm2 import MODEL_DIR, cache_home
 
 
 @pytest.fixture(autouse=True, scope="session")

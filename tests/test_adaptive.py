@@ -15,9 +15,9 @@ import dflash2_mlx as d
 from dflash2_mlx import adaptive
 from dflash2_mlx.adaptive import Acceptance, Adaptive, CostModel, best_block, expected_tokens
 from dflash2_mlx.generate import blocks_text, stats_line
-from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import attach
+from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.target import attach
 from test_sampling import chi2_pvalue, exact_joint
 from test_speculative import _cache_arrays, plain_tokens
 from tiny_models import looping_pair, make_drafter, make_target
@@ -267,7 +267,7 @@ def test_caches_equal_fresh_prefill_with_changing_block_size(pair, family, temp)
 
 
 def test_draft_context_fed_late_equals_fed_every_step(pair):
-    from dflash2_mlx.draft_context import DraftContext
+    from dflash2_mlx.loop.draft_context import DraftContext
 
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
@@ -418,10 +418,10 @@ def test_shadow_probes_bring_drafting_back_sooner(tmp_path):
 def test_shadow_chance_is_a_block_2_drafts_acceptance(tmp_path, version):
     """At T=1 a shadow probe's chance is exactly the chance that verifying a block-2 draft
     from the same place accepts its draft: compared with 3000 such verifications."""
-    from dflash2_mlx.draft_context import DraftContext
-    from dflash2_mlx.drafter import propose
-    from dflash2_mlx.sampling import log_softmax, sample, verify_sampled
-    from dflash2_mlx.speculative import shadow_chance
+    from dflash2_mlx.loop.draft_context import DraftContext
+    from dflash2_mlx.model.drafter import propose
+    from dflash2_mlx.loop.sampling import log_softmax, sample, verify_sampled
+    from dflash2_mlx.loop.cycle import shadow_chance
 
     make_target(tmp_path / "t", "qwen3", alphabet="abcd", seed=5)
     make_drafter(tmp_path / "d", tmp_path / "t", version=version, seed=11)

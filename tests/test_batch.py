@@ -13,14 +13,14 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
-from dflash2_mlx import batch_cache
+from dflash2_mlx.batch import cache as batch_cache
 from dflash2_mlx.adaptive import CostModel, best_block
 from dflash2_mlx.batch import BatchCosts, BatchGenerator, batch_generate, prefill_groups
-from dflash2_mlx.batch_cache import draft_hidden
-from dflash2_mlx.draft_context import DraftContext
-from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import UnsupportedTargetError, attach
+from dflash2_mlx.batch.cache import draft_hidden
+from dflash2_mlx.loop.draft_context import DraftContext
+from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.target import UnsupportedTargetError, attach
 from test_sampling import chi2_pvalue, exact_joint, params_of
 from test_speculative import _cache_arrays, plain_tokens
 from tiny_models import make_drafter, make_target

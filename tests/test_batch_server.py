@@ -285,7 +285,7 @@ def test_emoji_cut_by_max_tokens_in_a_batch(tmp_path):
 def test_bench_serve_rows_and_ratios():
     """The `bench serve` table from request records: aggregate over the row's wall time,
     per-stream speed after the first token, τ weighted by cycles, latency percentiles."""
-    from dflash2_mlx.bench_serve import BASELINE, BATCHED, markdown, percentile, ratios, summarize
+    from dflash2_mlx.eval.bench_serve import BASELINE, BATCHED, markdown, percentile, ratios, summarize
 
     assert percentile([4, 1, 3, 2], 50) == 2.5 and percentile([1, 2, 3, 4, 5], 95) == pytest.approx(4.8)
     recs = [dict(sent=0.0, first=0.5, end=2.5, tokens=21, tau=2.0, cycles=10),

@@ -11,12 +11,12 @@ import mlx_lm
 import pytest
 from typer.testing import CliRunner
 
-from dflash2_mlx import bench as Bm
+from dflash2_mlx.eval import bench as Bm
 from dflash2_mlx.adaptive import COPY_LARGEST
-from dflash2_mlx.loading import load_drafter
-from dflash2_mlx.profile import _Timed, timed_cycles
-from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import attach
+from dflash2_mlx.model.checkpoint import load_drafter
+from dflash2_mlx.eval.profile import _Timed, timed_cycles
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.target import attach
 from tiny_models import make_drafter, make_target
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import dflash2_mlx as d
-from dflash2_mlx.doctor import openblas_path
+from dflash2_mlx.machine.doctor import openblas_path
 from tiny_models import make_drafter, make_target
 
 
@@ -111,7 +111,7 @@ def test_xtc_and_min_tokens_to_keep_as_mlx_lm_generate_has_them(pair):
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash2_mlx.sampling import xtc_special_tokens
+    from dflash2_mlx.loop.sampling import xtc_special_tokens
 
     opts = ["--prompt", "abcab dcba", "--max-tokens", "24", "--temp", "1.0", "--min-p", "0.05",
             "--min-tokens-to-keep", "2", "--xtc-probability", "0.9", "--xtc-threshold", "0.05", "--seed", "4"]

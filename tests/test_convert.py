@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import regex
 
-from dflash2_mlx import smollm2
-from dflash2_mlx.gguf_convert import convert_gguf, unpermute_rope
-from dflash2_mlx.smollm2 import default_target_path, smollm2_gguf_path
+from dflash2_mlx.builtin import smollm2
+from dflash2_mlx.builtin.gguf_convert import convert_gguf, unpermute_rope
+from dflash2_mlx.builtin.smollm2 import default_target_path, smollm2_gguf_path
 
 PROMPT = (
     "The quick brown fox jumps over the lazy dog. In 1969, Neil Armstrong became the "
@@ -390,7 +390,7 @@ def test_gguf_is_the_smollm2_file(gguf_path):
         assert f.read(4) == b"GGUF"
 
 
-FIRST_USE = "import sys; from dflash2_mlx.smollm2 import {call}; {call}(*sys.argv[1:])"
+FIRST_USE = "import sys; from dflash2_mlx.builtin.smollm2 import {call}; {call}(*sys.argv[1:])"
 
 
 def first_use(call, *args):

@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 
 import dflash2_mlx as d
-from dflash2_mlx import cpu_split
-from dflash2_mlx.target import attach
+from dflash2_mlx.machine import cpu_split
+from dflash2_mlx.loop.target import attach
 from tiny_models import make_drafter, make_target
 
 

@@ -10,8 +10,9 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from dflash2_mlx import defaults, stream_generate
-from dflash2_mlx.loading import load_drafter, validate_pair
+from dflash2_mlx.builtin import defaults
+from dflash2_mlx import stream_generate
+from dflash2_mlx.model.checkpoint import load_drafter, validate_pair
 from dflash2_mlx.train.data import encode
 
 MAX_BYTES = 25 * 1024 * 1024
@@ -88,7 +89,7 @@ def test_loop_tau_offline_matches_the_real_runs(pair):
     """eval's loop τ (teacher-forced, at the anchors a T=0 run visits) is the real T=0
     runs' τ: the loop drafts from the same context as the offline forward. They differ only
     where a run's last blocks are cut by max_tokens, so a few per cent at most."""
-    from dflash2_mlx import evaluate as E
+    from dflash2_mlx.eval import evaluate as E
 
     model, tokenizer, drafter_path = pair
     drafter = load_drafter(drafter_path)

@@ -5,12 +5,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash2_mlx.config import DrafterConfig
-from dflash2_mlx.conv import dynamic_conv_reference
-from dflash2_mlx.drafter import DynamicConv
-from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.selector import pair_scores_reference, walk_reference
+from dflash2_mlx.model.config import DrafterConfig
+from dflash2_mlx.model.conv import dynamic_conv_reference
+from dflash2_mlx.model.drafter import DynamicConv
+from dflash2_mlx.model.drafter import Drafter
+from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.model.selector import pair_scores_reference, walk_reference
 
 
 def config(version=2, **kw):
@@ -145,14 +145,14 @@ def test_output_multiplier_softcap_and_input_scale():
 
 
 def test_default_target_layer_ids():
-    from dflash2_mlx.config import default_target_layer_ids
+    from dflash2_mlx.model.config import default_target_layer_ids
 
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B-DFlash-b16
     assert default_target_layer_ids(64, 1) == [32]
 
 
 def test_v2_greedy_walk_with_zero_successor_codebook_equals_v1_argmax():
-    from dflash2_mlx.drafter import propose
+    from dflash2_mlx.model.drafter import propose
 
     drafter = bound(config())
     ctx = mx.random.normal((1, 5, 64))

@@ -104,7 +104,7 @@ def test_xtc_options_reach_the_sampler(engine, reference):
     value mlx-lm refuses is refused when the request is made, naming the option."""
     from mlx_lm.sample_utils import make_logits_processors
 
-    from dflash2_mlx.sampling import xtc_special_tokens
+    from dflash2_mlx.loop.sampling import xtc_special_tokens
 
     opts = dict(temperature=1.0, seed=7, min_p=0.05, min_tokens_to_keep=2, xtc_probability=0.9,
                 xtc_threshold=0.05, logit_bias=NO_EOS)
@@ -167,7 +167,7 @@ def test_prompt_logprobs_score_the_prompt(engine):
     """prompt_logprobs: each prompt token's log-probability and alternatives from the
     target's own teacher-forced rows (in chunks or not), in the first chunk; max_tokens=0
     scores without generating; a completion keeps its stop token's entry, a chat not."""
-    from dflash2_mlx.scoring import prompt_logprobs
+    from dflash2_mlx.loop.scoring import prompt_logprobs
 
     tok = engine.tokenizer
     ids = tok.encode("hello world, how are you today")

@@ -8,11 +8,11 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from dflash2_mlx import evaluate as E
-from dflash2_mlx.drafter import propose
-from dflash2_mlx.loading import load_drafter
-from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.target import attach
+from dflash2_mlx.eval import evaluate as E
+from dflash2_mlx.model.drafter import propose
+from dflash2_mlx.model.checkpoint import load_drafter
+from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.loop.target import attach
 from tiny_models import looping_pair, make_drafter, make_target
 
 

@@ -18,8 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dflash2_mlx import kernels  # noqa: E402
-from dflash2_mlx.conv import dynamic_conv_reference  # noqa: E402
-from dflash2_mlx.selector import pair_scores_reference, walk_reference  # noqa: E402
+from dflash2_mlx.model.conv import dynamic_conv_reference  # noqa: E402
+from dflash2_mlx.model.selector import pair_scores_reference, walk_reference  # noqa: E402
 from metal_emu.emulate import (  # noqa: E402
     EMULATED_ATTRIBUTES, THREADGROUP_ARRAY, emulate, emulate_many, metal_source, used_attributes,
 )
@@ -363,7 +363,7 @@ def production_selector_case(seed, L, R, dtype, V=300, K=16):
     """What the drafter passes: no batch dimension, top_candidates' uint32 ids (from
     argpartition), a 0-d int32 anchor; values in quarters, so the scores are exact in any
     summation order and the paths can be compared with the twin's exactly."""
-    from dflash2_mlx.selector import top_candidates
+    from dflash2_mlx.model.selector import top_candidates
 
     k = keys(seed, 7)
     cand, _ = top_candidates(mx.random.normal((L, V), key=k[0]), K)
@@ -580,7 +580,7 @@ def test_gradients_come_from_the_twin():
 
 
 def test_doctor_reports_every_kernel(capsys):
-    from dflash2_mlx.doctor import run_doctor
+    from dflash2_mlx.machine.doctor import run_doctor
 
     report = run_doctor()
     printed = capsys.readouterr().out
@@ -595,7 +595,7 @@ def test_doctor_reports_every_kernel(capsys):
 
 
 def test_bench_kernels_times_the_twins_here(capsys):
-    from dflash2_mlx.kernel_bench import bench_kernels
+    from dflash2_mlx.eval.kernel_bench import bench_kernels
 
     rows = bench_kernels(hidden=256, blocks=(5,), top_k=16, rank=32, vocab=512, repeats=2)
     printed = capsys.readouterr().out
@@ -675,7 +675,7 @@ def test_metal_dispatch_self_checks_and_differentiates(monkeypatch):
 
 
 def test_draft_cycle_share_on_the_tiny_pair(tmp_path, capsys):
-    from dflash2_mlx.kernel_bench import draft_cycle_share
+    from dflash2_mlx.eval.kernel_bench import draft_cycle_share
     from tiny_models import make_drafter, make_target
 
     make_target(tmp_path / "target", hidden=64)
@@ -728,7 +728,7 @@ def test_production_variants_cover_what_production_dispatches():
                                    for launch in kernels.production_launches("dynamic_conv"))]
     assert any(t["T"] == "bfloat16" and t["TAP"] == "float32" and t["H"] > 256 for t in conv)
     # The drafter's own call: no batch dimension, argpartition's uint32 candidates.
-    from dflash2_mlx.selector import top_candidates
+    from dflash2_mlx.model.selector import top_candidates
 
     logits = mx.random.normal((4, 300), key=mx.random.key(1))
     cand, unary = top_candidates(logits, 16)

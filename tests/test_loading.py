@@ -8,9 +8,9 @@ import pytest
 from mlx_lm.utils import _get_classes
 
 import dflash2_mlx as d
-from dflash2_mlx.config import DrafterConfig
-from dflash2_mlx.loading import CheckpointError, PairError, load_drafter
-from dflash2_mlx.target import Target, UnsupportedTargetError
+from dflash2_mlx.model.config import DrafterConfig
+from dflash2_mlx.model.checkpoint import CheckpointError, PairError, load_drafter
+from dflash2_mlx.loop.target import Target, UnsupportedTargetError
 from tiny_models import drafter_config, make_drafter, make_target
 
 
@@ -94,8 +94,8 @@ def test_sharded_checkpoint(root, tmp_path):
 ])
 def test_pair_mismatch(root, tmp_path, change, message):
     cfg = drafter_config(root / "t", 2, **change)
-    from dflash2_mlx.drafter import Drafter
-    from dflash2_mlx.loading import save_drafter
+    from dflash2_mlx.model.drafter import Drafter
+    from dflash2_mlx.model.checkpoint import save_drafter
 
     save_drafter(Drafter(DrafterConfig.from_dict(cfg)), tmp_path / "bad")
     with pytest.raises(PairError, match=message):

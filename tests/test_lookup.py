@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 
-from dflash2_mlx.lookup import Lookup, one_hot_rows
+from dflash2_mlx.loop.lookup import Lookup, one_hot_rows
 
 
 def test_copy_of_what_followed_the_last_occurrence():

@@ -8,8 +8,8 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from dflash2_mlx.loading import load_drafter
-from dflash2_mlx.target import attach
+from dflash2_mlx.model.checkpoint import load_drafter
+from dflash2_mlx.loop.target import attach
 from dflash2_mlx.train import objective as O
 from tiny_models import make_drafter, make_target
 

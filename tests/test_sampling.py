@@ -20,9 +20,9 @@ from mlx_lm.sample_utils import make_logits_processors
 from scipy import stats as sstats
 
 import dflash2_mlx as d
-from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import attach
+from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.target import attach
 from tiny_models import make_drafter, make_target
 
 N = 1200
@@ -211,7 +211,7 @@ def test_xtc_mixture_is_mlx_lms_sampler(temp, top_k, min_p, xtc):
     its chain), checked against draws of ``make_sampler`` and the numpy reference."""
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash2_mlx.sampling import log_softmax, probs
+    from dflash2_mlx.loop.sampling import log_softmax, probs
 
     logits = np.log(np.array([0.3, 0.25, 0.2, 0.12, 0.08, 0.05])) + 0.3
     params = params_of(dict(temp=temp, top_k=top_k, min_p=min_p, xtc=xtc))

@@ -173,7 +173,7 @@ def test_sampling_parameters_are_honoured(server, client, reference):
     from mlx_lm import load as lm_load
     from mlx_lm.sample_utils import make_logits_processors
 
-    from dflash2_mlx.sampling import xtc_special_tokens
+    from dflash2_mlx.loop.sampling import xtc_special_tokens
 
     def chat(**kw):
         return client.chat.completions.create(model="tiny", messages=CHAT, **kw).choices[0]

@@ -9,9 +9,9 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
 from dflash2_mlx.adaptive import COPY_LARGEST
-from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.speculative import speculative_generate_step
-from dflash2_mlx.target import attach
+from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.target import attach
 from tiny_models import looping_pair, make_drafter, make_target
 
 FAMILIES = ["llama", "llama_sliding", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
@@ -261,14 +261,14 @@ def test_emitted_logprobs_match_mlx_lm(pairs):
 
 
 def _reference_accept(logits, draft):
-    from dflash2_mlx.sampling import accept_greedy, log_softmax
+    from dflash2_mlx.loop.sampling import accept_greedy, log_softmax
     logprobs = log_softmax(logits)
     accepted, bonus = accept_greedy(mx.argmax(logprobs, axis=-1), draft)
     return accepted, bonus, logprobs
 
 
 def test_verify_greedy_equals_the_full_rule_on_random_rows():
-    from dflash2_mlx.sampling import verify_greedy
+    from dflash2_mlx.loop.sampling import verify_greedy
     rng = np.random.default_rng(0)
     seen = set()
     for trial in range(200):
@@ -292,7 +292,7 @@ def test_verify_greedy_follows_logprobs_where_rounding_ties_logits(draft_token):
     """Logits 1.0 everywhere but one ulp more at index 7: after subtracting the log-sum both
     round to one value, so mlx-lm's argmax over log-probabilities picks index 0 where the
     raw logits' argmax says 7.  Acceptance must follow the log-probabilities either way."""
-    from dflash2_mlx.sampling import log_softmax, verify_greedy
+    from dflash2_mlx.loop.sampling import log_softmax, verify_greedy
     row = np.ones(1000, dtype=np.float32)
     row[7] = np.nextafter(np.float32(1.0), np.float32(2.0))
     logits = mx.array(np.stack([row, row]))
@@ -413,7 +413,7 @@ def test_chunked_prefill_parity(pairs, family):
 def test_clear_winners_margin():
     """Rows whose two largest logits are far apart skip the log-softmax; rows within the
     rounding margin (one ulp, or a few eps) do not."""
-    from dflash2_mlx.sampling import clear_winners
+    from dflash2_mlx.loop.sampling import clear_winners
     far = mx.array([[0.0, 3.0, 1.0], [2.0, -1.0, 1.9]])
     assert clear_winners(far, mx.argmax(far, axis=-1))
     one = np.float32(1.0)

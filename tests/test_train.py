@@ -14,8 +14,8 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from dflash2_mlx.generate import stream_generate
-from dflash2_mlx.loading import load_drafter, save_drafter, validate_pair
-from dflash2_mlx.target import Target, attach
+from dflash2_mlx.model.checkpoint import load_drafter, save_drafter, validate_pair
+from dflash2_mlx.loop.target import Target, attach
 from dflash2_mlx.train import data, init, objective, trainer
 from tiny_models import make_drafter, make_target
 

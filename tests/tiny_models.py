@@ -164,9 +164,9 @@ def make_drafter(path, target_path, version: int = 2, seed: int = 1, randomize_c
                  draft_vocab=None, **kw):
     """Write a random drafter checkpoint (published format) for the target at ``target_path``;
     ``draft_vocab``: token ids it may propose (a draft vocabulary)."""
-    from dflash2_mlx.config import DrafterConfig
-    from dflash2_mlx.drafter import Drafter
-    from dflash2_mlx.loading import save_drafter
+    from dflash2_mlx.model.config import DrafterConfig
+    from dflash2_mlx.model.drafter import Drafter
+    from dflash2_mlx.model.checkpoint import save_drafter
 
     if draft_vocab is not None:
         kw["draft_vocab_size"] = len(draft_vocab)

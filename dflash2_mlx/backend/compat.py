@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 from typing import Tuple
 
-from ..config import DrafterConfig, DrafterConfigError
-from ..loading import pair_problems
+from ..model.config import DrafterConfig, DrafterConfigError
+from ..model.checkpoint import pair_problems
 
 
 def read_json_config(path_or_repo) -> dict:

@@ -202,7 +202,7 @@ class _Reply:
         """Note a token's log-probabilities when the request asked for them."""
         if self.top is None or (finish_reason == "stop" and not self.stop_entry):
             return
-        from ..selector import top_candidates
+        from ..model.selector import top_candidates
 
         top = []
         if self.top:
@@ -261,7 +261,7 @@ class _Joined:
 
     def stats(self, st):
         """Its draft statistics over both parts (``st``: the batch's for it)."""
-        from ..speculative import CycleStats
+        from ..loop.cycle import CycleStats
 
         b = self.before
         if b is None or not b.cycles:
@@ -386,7 +386,7 @@ class Engine:
 
     def _load(self):
         from ..generate import check_block_size, load
-        from ..loading import resolve
+        from ..model.checkpoint import resolve
 
         target_dir = resolve(self.model_path)
         draft_dir = resolve(self.settings.draft) if self.settings.draft else None
@@ -523,7 +523,7 @@ class Engine:
             top = params.get(name)
             if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
                 raise InvalidOption(name, f"{name} is the number of alternatives to report, 0..20; got {top!r}")
-        from ..sampling import SamplingParams
+        from ..loop.sampling import SamplingParams
 
         try:  # here, not when the request runs: the caller learns which option is wrong
             SamplingParams(**self._sampling(params))
@@ -625,7 +625,7 @@ class Engine:
         s = self.settings
         xtc, special = first_set(p.get("xtc_probability"), 0.0), ()
         if xtc:
-            from ..sampling import xtc_special_tokens
+            from ..loop.sampling import xtc_special_tokens
 
             special = tuple(xtc_special_tokens(self.tokenizer))
         return dict(temp=first_set(p.get("temperature"), s.temperature, 0.0),
@@ -645,7 +645,7 @@ class Engine:
             return s.dflash_block_size
         if mode == "adaptive" and s.dflash_block_size is not None:
             from ..batch import batch_policy
-            from ..target import attach
+            from ..loop.target import attach
 
             return batch_policy(attach(self._model, self._drafter), self._drafter, s.dflash_block_size)
         return "auto"
@@ -756,7 +756,7 @@ class Engine:
         request handed over from its single stream (``carry``) goes on after its tokens."""
         from mlx_lm.sample_utils import make_logits_processors
 
-        from ..sampling import SamplingParams
+        from ..loop.sampling import SamplingParams
 
         if request.aborted.is_set():
             self._refuse(request, push, "abort", Chunk("", "abort", len(request.ids)))
@@ -980,7 +980,7 @@ class Engine:
         """The prompt's logprob entries, and the target's caches of it but its last token."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        from ..scoring import prompt_logprobs
+        from ..loop.scoring import prompt_logprobs
 
         cache = make_prompt_cache(self._model)
         lps, tops = prompt_logprobs(self._model, ids, top, cache=cache)
@@ -1013,8 +1013,8 @@ def _penalties(p: dict, s: ModelSettings) -> dict:
 
 def _batchable(model, drafter) -> bool:
     """Whether ``BatchGenerator`` takes this target (not one with sliding-window caches)."""
-    from ..batch_cache import batch_layers
-    from ..target import UnsupportedTargetError, attach
+    from ..batch.cache import batch_layers
+    from ..loop.target import UnsupportedTargetError, attach
 
     try:
         batch_layers(attach(model, drafter))

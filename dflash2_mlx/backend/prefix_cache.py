@@ -83,7 +83,7 @@ def _recurrent(cache) -> list:
     """The recurrent states of ``cache`` (None for attention layers). The models replace
     these arrays at each step rather than write into them, so references are a snapshot:
     the one a speculative rollback takes (caches here are only KVCache / ArraysCache)."""
-    from ..target import snapshot
+    from ..loop.target import snapshot
 
     return snapshot(cache)
 
@@ -161,7 +161,7 @@ class PrefixCache:
         """Caches for a request over ``ids``: restored from the best entry, or fresh. With a
         ``drafter`` (DFlash) the start has a draft context too. A hybrid target is advanced to
         the last-but-one prompt token here and stored; its states there are the first held."""
-        from ..draft_context import DraftContext
+        from ..loop.draft_context import DraftContext
 
         cache = make_prompt_cache(model)
         context = DraftContext(drafter, window, sink) if drafter is not None else None
@@ -208,7 +208,7 @@ class PrefixCache:
     @staticmethod
     def _advance(start: Start, ids: Sequence[int], model, step: int = 2048):
         """Run ``ids[start.tokens:]`` into the caches (features to the draft context)."""
-        from ..target import attach
+        from ..loop.target import attach
 
         target = attach(model, start.context.drafter) if start.context is not None else None
         rest = mx.array(ids[start.tokens:], dtype=mx.uint32)

@@ -27,9 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import EngineError, InvalidOption, PromptTooLong, QueueFull
 from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
-from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       chat_chunk, chat_response, completion_chunk, completion_response, error_body,
-                       new_id, usage_chunk, validation_error)
+from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, completion_chunk, completion_response, error_body, new_id, usage_chunk, validation_error)
 from .settings import SettingsError
 
 log = logging.getLogger("dflash2_mlx.server")

@@ -273,7 +273,7 @@ class ModelSettings:
         only; a drafter config that cannot be read otherwise is left to loading."""
         if self.draft is None:
             return
-        from ..config import DrafterConfig
+        from ..model.config import DrafterConfig
         from .compat import is_compatible, read_json_config
 
         try:

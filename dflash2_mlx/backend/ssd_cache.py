@@ -36,7 +36,7 @@ FORMAT = "dflash2-prefix-1"
 
 def default_ssd_cache_dir() -> Path:
     """Where pairs' directories go unless ``serve --ssd-cache-dir`` says otherwise."""
-    from ..smollm2 import cache_home
+    from ..builtin.smollm2 import cache_home
 
     return cache_home() / "ssd-cache"
 

@@ -57,12 +57,11 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
     existing checkpoint under ``out_dir`` is resumed.  Returns ``out_dir / "final"``."""
     import mlx_lm
 
-    from ..loading import load_drafter, resolve, validate_pair
-    from ..target import model_args
+    from ..model.checkpoint import load_drafter, resolve, validate_pair
+    from ..loop.target import model_args
     from . import data as data_mod
     from . import trainer
-    from .init import (default_mask_token_id, frequent_tokens, new_drafter, new_drafter_config,
-                       warm_start_v2)
+    from .init import (default_mask_token_id, frequent_tokens, new_drafter, new_drafter_config, warm_start_v2)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

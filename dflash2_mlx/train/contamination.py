@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import FrozenSet
 
 N = 13
-BENCH = Path(__file__).resolve().parent.parent / "bench_data"
+BENCH = Path(__file__).resolve().parent.parent / "builtin" / "bench_data"
 
 
 def ngrams(text: str, n: int = N) -> set:

@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..target import Target
+from ..loop.target import Target
 
 
 def target_features(target: Target, seqs: List[List[int]], pad_id: int = 0) -> mx.array:

@@ -22,9 +22,9 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..config import DrafterConfig, V1_ARCH, V2_ARCH, default_target_layer_ids
-from ..drafter import Drafter
-from ..target import model_args
+from ..model.config import DrafterConfig, V1_ARCH, V2_ARCH, default_target_layer_ids
+from ..model.drafter import Drafter
+from ..loop.target import model_args
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -144,7 +144,7 @@ def _weight(module) -> mx.array:
     """A Linear's or norm's weight; a quantized Linear's dequantized."""
     import mlx.nn as nn
 
-    from ..loading import dequantized_weight
+    from ..model.checkpoint import dequantized_weight
 
     return dequantized_weight(module) if isinstance(module, nn.QuantizedLinear) else module.weight
 
@@ -152,7 +152,7 @@ def _weight(module) -> mx.array:
 def warm_start_from_target(drafter: Drafter, target_model, layer_ids: Sequence[int]) -> Drafter:
     """Copy target layer ``layer_ids[i]``'s attention, MLP and norm weights into drafter
     layer i (parts the target lacks, such as Qwen3's q/k norms on a Llama, keep their init)."""
-    from ..target import text_model
+    from ..loop.target import text_model
 
     layers = text_model(target_model).layers
     if len(layer_ids) != len(drafter.layers):

@@ -22,9 +22,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..drafter import Drafter
-from ..loading import load_drafter, save_drafter
-from ..target import Target, attach
+from ..model.drafter import Drafter
+from ..model.checkpoint import load_drafter, save_drafter
+from ..loop.target import Target, attach
 from . import objective
 from .data import sequences
 from .features import FeatureCache, batch_features
@@ -118,7 +118,7 @@ def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig, c
     if cfg.distill:
         if c.target_layer_ids[-1] != len(target.layers) - 1:
             raise ValueError("distillation reads the target's last layer: make it the drafter's last tap")
-        from ..target import text_model
+        from ..loop.target import text_model
 
         blocks.teacher = objective.teacher_logits(drafter, text_model(target.model).model.norm, blocks)
     return blocks

@@ -12,11 +12,11 @@ import time
 
 import mlx.core as mx
 
-from .draft_context import DraftContext
-from .drafter import propose
-from .sampling import SamplingParams
-from .speculative import speculative_generate_step
-from .target import attach
+from ..loop.draft_context import DraftContext
+from ..model.drafter import propose
+from ..loop.sampling import SamplingParams
+from ..loop.cycle import speculative_generate_step
+from ..loop.target import attach
 
 
 def _ms(fn, n: int) -> float:

@@ -144,8 +144,8 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     adaptive decoding to plain steps where drafting pays), and a block never costs less
     than a smaller one: a burst of other work on the machine cannot make a large block
     look cheap."""
-    from .drafter import propose
-    from .sampling import SamplingParams
+    from ..model.drafter import propose
+    from ..loop.sampling import SamplingParams
 
     tic = time.perf_counter()
     B, mask = drafter.config.block_size, drafter.config.mask_token_id
@@ -318,7 +318,7 @@ def pair_key(target, drafter, greedy: bool, cost: Optional[str] = None) -> str:
 
 
 def cache_dir() -> Path:
-    from .smollm2 import cache_home
+    from ..builtin.smollm2 import cache_home
 
     return cache_home() / "adaptive"
 

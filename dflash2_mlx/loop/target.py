@@ -15,7 +15,7 @@ from typing import Callable, List, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from . import cpu_split
+from ..machine import cpu_split
 
 
 class UnsupportedTargetError(ValueError):

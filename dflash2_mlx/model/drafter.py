@@ -14,7 +14,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import kernels, sampling
+from .. import kernels
+from ..loop import sampling
 from .config import DrafterConfig
 from .selector import top_candidates
 

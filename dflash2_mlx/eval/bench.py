@@ -34,7 +34,7 @@ FIXED_BLOCK = 5  # the fixed-block rows' block size unless given
 
 def sample_prompts(paths: Sequence, samples: int, seed: int = 0) -> Dict[str, list]:
     """{file stem: ``samples`` prompts drawn at random (seeded) from each jsonl file}."""
-    from .train.data import read_prompts
+    from ..train.data import read_prompts
 
     rng = random.Random(seed)
     out = {}
@@ -61,7 +61,7 @@ def run_plain(model, tokenizer, ids: List[int], temp: float, max_tokens: int, se
 def run_dflash(model, tokenizer, drafter, ids: List[int], temp: float, max_tokens: int,
                block_size, seed: int, lookup: bool = False) -> dict:
     """One DFlash run through the public ``stream_generate``: tokens, timing, draft stats."""
-    from .generate import stream_generate
+    from ..generate import stream_generate
 
     tokens, last = [], None
     for last in stream_generate(model, tokenizer, ids, drafter, max_tokens=max_tokens,
@@ -207,7 +207,7 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
 
     ``drafters``: {label: Drafter}, run at ``block_size`` (default 5), the last also
     adaptively unless ``adaptive`` is False.  Returns the report dict (see ``write_report``)."""
-    from .train.data import encode
+    from ..train.data import encode
 
     say = log or (lambda s: None)
     runs = dflash_runs(drafters, block_size, adaptive, sweep, copies)
@@ -278,8 +278,8 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
 
 def _costs(model, runs) -> Optional[dict]:
     """The adaptive row's cost model (measured in the warm-up, or cached before)."""
-    from . import adaptive
-    from .target import attach
+    from .. import adaptive
+    from ..loop.target import attach
 
     auto = [d for d, bs, _ in runs.values() if bs == "auto"]
     return adaptive.cost_model(attach(model, auto[0]), auto[0]).to_json() if auto else None
@@ -437,8 +437,8 @@ def write_report(report: dict, out_dir) -> List[Path]:
 
 BENCH_FILES = ("gsm8k_test", "math500", "humaneval", "mbpp_test", "mt_bench")
 BENCH_DIR_ENV = "DFLASH2_MLX_BENCH_DIR"
-# The five prompt sets ship with the package (sources and licenses: bench_data/SOURCES.md).
-SHIPPED_BENCH_DIR = Path(__file__).parent / "bench_data"
+# The five prompt sets ship with the package (sources and licenses: builtin/bench_data/SOURCES.md).
+SHIPPED_BENCH_DIR = Path(__file__).resolve().parent.parent / "builtin" / "bench_data"
 
 
 def default_bench_dir() -> Path:

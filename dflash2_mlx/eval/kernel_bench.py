@@ -5,9 +5,9 @@ import time
 
 import mlx.core as mx
 
-from . import kernels
-from .conv import dynamic_conv_reference
-from .selector import pair_scores_reference, walk_reference
+from .. import kernels
+from ..model.conv import dynamic_conv_reference
+from ..model.selector import pair_scores_reference, walk_reference
 
 
 def _time_ms(fn, repeats: int) -> float:
@@ -104,10 +104,10 @@ def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fo
     run in which each of their calls is timed alone (``kernels.profile``). Returns
     dict(cycles, cycle_ms, conv_ms, selector_ms, conv_share, selector_share, path,
     profiled_cycle_ms: the per-cycle time of the timed run, sync points included)."""
-    from .generate import check_block_size, encode_prompt, load
-    from .sampling import SamplingParams
-    from .speculative import speculative_generate_step
-    from .target import attach
+    from ..generate import check_block_size, encode_prompt, load
+    from ..loop.sampling import SamplingParams
+    from ..loop.cycle import speculative_generate_step
+    from ..loop.target import attach
 
     model, tokenizer, drafter = load(target, draft)
     if drafter.version != 2:

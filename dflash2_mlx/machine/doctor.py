@@ -8,7 +8,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import kernels
+from .. import kernels
 
 # MLX's Linux CPU wheel bundles a reference BLAS; fp32 matmuls are several times faster
 # with one of these loaded into the process (LD_PRELOAD).

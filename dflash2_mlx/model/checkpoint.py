@@ -204,7 +204,7 @@ def pair_problems(cfg: DrafterConfig, vocab: int, hidden: int, depth: int) -> li
 
 def validate_pair(target_model, drafter):
     """Raise PairError naming every mismatch between a target and a drafter (or its config)."""
-    from .target import model_args
+    from ..loop.target import model_args
 
     args = model_args(target_model)
     problems = pair_problems(getattr(drafter, "config", drafter), args.vocab_size, args.hidden_size,

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .selector import top_candidates
+from ..model.selector import top_candidates
 
 # Rows of full-vocabulary log-probabilities held at once (49k vocabulary: ~50 MB in fp32).
 CHUNK = 256

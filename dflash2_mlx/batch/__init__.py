@@ -29,15 +29,15 @@ from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from . import adaptive
-from .adaptive import _interp
-from .batch_cache import TargetBatch, batch_layers, draft_hidden
-from .draft_context import DraftContext
-from .drafter import Drafter, propose
-from .lookup import Lookup, one_hot_rows
-from .sampling import SamplingParams, probs, processed_logprobs, sample
-from .speculative import CycleStats
-from .target import attach
+from .. import adaptive
+from ..adaptive import _interp
+from .cache import TargetBatch, batch_layers, draft_hidden
+from ..loop.draft_context import DraftContext
+from ..model.drafter import Drafter, propose
+from ..loop.lookup import Lookup, one_hot_rows
+from ..loop.sampling import SamplingParams, probs, processed_logprobs, sample
+from ..loop.cycle import CycleStats
+from ..loop.target import attach
 
 
 # --- the batched cycle ------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class BatchGenerator:
         if hasattr(block_size, "record"):
             self.policy = block_size
         else:
-            from .generate import check_block_size
+            from ..generate import check_block_size
 
             block_size = check_block_size(drafter, block_size)
             self.policy = (batch_policy(self.target, drafter) if block_size == adaptive.AUTO
@@ -524,7 +524,7 @@ def stream_batch_generate(model, tokenizer, prompts: Sequence, drafter: Drafter,
     each token's ``Response`` as it comes (``uid`` = the prompt's index).  ``seed``: the
     whole batch's random draws; sampling as in ``stream_generate``.  Other keywords go to
     ``BatchGenerator``."""
-    from .generate import encode_prompt
+    from ..generate import encode_prompt
 
     if seed is not None:
         mx.random.seed(seed)

@@ -31,8 +31,8 @@ from importlib import resources
 
 import mlx.core as mx
 
-from .conv import dynamic_conv_reference
-from .selector import pair_scores_reference, walk_reference
+from ..model.conv import dynamic_conv_reference
+from ..model.selector import pair_scores_reference, walk_reference
 
 FORCE_REFERENCE_ENV = "DFLASH2_MLX_FORCE_REFERENCE"
 KERNEL_NAMES = ("dynamic_conv", "path_selector", "path_scores", "path_walk")

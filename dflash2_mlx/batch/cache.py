@@ -39,8 +39,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 
-from .drafter import Drafter
-from .target import Target, UnsupportedTargetError
+from ..model.drafter import Drafter
+from ..loop.target import Target, UnsupportedTargetError
 
 COMPACT_MIN_ROWS = 32  # holes are gathered away only when at least this many rows go
 

@@ -30,11 +30,11 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .selector import pair_scores_reference, walk_reference
-from .target import Target, attach
-from .train import objective
-from .train.data import encode, read_prompts
-from .train.features import target_features
+from ..model.selector import pair_scores_reference, walk_reference
+from ..loop.target import Target, attach
+from ..train import objective
+from ..train.data import encode, read_prompts
+from ..train.features import target_features
 
 
 def load_benches(paths: Sequence, limit: Optional[int] = None) -> Dict[str, list]:
@@ -202,7 +202,7 @@ class RunTally:
 def real_runs(model, tokenizer, drafter, prompts, temp: float, block_size: int,
               max_tokens: int, seed: int = 0) -> RunTally:
     """Draft-verify runs through the public ``stream_generate``."""
-    from .generate import stream_generate
+    from ..generate import stream_generate
 
     tally = RunTally(block_size - 1)
     for i, prompt in enumerate(prompts):

@@ -21,12 +21,11 @@ from typing import Callable, Dict, Iterator, List, Optional
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 
-from . import adaptive
+from .. import adaptive
 from .draft_context import DraftContext
-from .drafter import Drafter, first_row, propose
+from ..model.drafter import Drafter, first_row, propose
 from .lookup import Lookup, one_hot_rows
-from .sampling import (SamplingParams, probs, processed_logits, processed_logprobs, sample,
-                       verify_greedy, verify_sampled)
+from .sampling import (SamplingParams, probs, processed_logits, processed_logprobs, sample, verify_greedy, verify_sampled)
 from .target import Target, rollback, snapshot
 
 

@@ -1,0 +1,1 @@
+"""One stream's draft -> propose -> verify -> accept cycle: the target (tapped features, rollback), the drafter's context, sampling and the accept rules, copies (context lookup), prompt scoring and prompt cache files."""
