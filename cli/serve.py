@@ -1,6 +1,5 @@
 """``dflash2-mlx serve``: the OpenAI-compatible server."""
 
-import os
 from pathlib import Path
 from typing import List, Optional
 

@@ -18,8 +18,8 @@ from dflash2_mlx.generate import blocks_text, stats_line
 from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import attach
-from test_sampling import chi2_pvalue, exact_joint
-from test_speculative import _cache_arrays, plain_tokens
+from helpers import chi2_pvalue, exact_joint
+from helpers import cache_arrays, plain_tokens
 from tiny_models import looping_pair, make_drafter, make_target
 
 # A CPU-like machine: each extra verified row costs 10% of a decode step, a draft 20%.
@@ -255,14 +255,14 @@ def test_caches_equal_fresh_prefill_with_changing_block_size(pair, family, temp)
         if stats.cycles != seen:
             seen = stats.cycles
             held = next(c.offset for c in cache if hasattr(c, "offset")) - len(prompt)
-            checks.append((len(tokens), held, _cache_arrays(cache)))
+            checks.append((len(tokens), held, cache_arrays(cache)))
         tokens.append(t)
     assert len(checks) >= 8 and scripted.chances and all(0 <= c <= 1 for c in scripted.chances)
     for n_before, held, state in checks:
         assert n_before - 1 <= held <= n_before + max(SCRIPT) - 1
         fresh = target.make_cache()
         target(mx.array([prompt + tokens[:held]]), fresh)
-        for a, b in zip(state, _cache_arrays(fresh)):
+        for a, b in zip(state, cache_arrays(fresh)):
             np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
 
 
@@ -277,7 +277,7 @@ def test_draft_context_fed_late_equals_fed_every_step(pair):
     for i in range(features.shape[1]):
         late.add(features[:, i : i + 1])
         drafter.append_context(features[:, i : i + 1], early)
-    for a, b in zip(_cache_arrays(late.fed()), _cache_arrays(early)):
+    for a, b in zip(cache_arrays(late.fed()), cache_arrays(early)):
         np.testing.assert_allclose(a, b, atol=1e-5)
     window = DraftContext(drafter, window=4)
     window.add(features)

@@ -21,8 +21,8 @@ from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import UnsupportedTargetError, attach
-from test_sampling import chi2_pvalue, exact_joint, params_of
-from test_speculative import _cache_arrays, plain_tokens
+from helpers import chi2_pvalue, exact_joint, params_of
+from helpers import cache_arrays, plain_tokens
 from tiny_models import make_drafter, make_target
 
 FAMILIES = ["qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_5", "qwen3_next"]  # last two hybrid
@@ -199,7 +199,7 @@ def test_batch_cache_equals_fresh_prefill_after_every_cycle(pairs, family, monke
     def compare(cache, tokens):
         fresh = target.make_cache()
         target(mx.array([tokens]), fresh)
-        state, ref = _cache_arrays(cache), _cache_arrays(fresh)
+        state, ref = cache_arrays(cache), cache_arrays(fresh)
         assert len(state) == len(ref)
         for a, b in zip(state, ref):
             assert a.shape == b.shape

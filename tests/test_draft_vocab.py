@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 import dflash2_mlx as d
 from dflash2_mlx.model.checkpoint import CheckpointError, load_drafter, quantize, save_drafter
 from dflash2_mlx.loop.target import attach
-from test_speculative import dflash_tokens, plain_tokens
+from helpers import dflash_tokens, plain_tokens
 from tiny_models import SPECIALS, make_drafter, make_target
 
 ALPHABET = "abcd"

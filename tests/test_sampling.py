@@ -17,12 +17,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
-from scipy import stats as sstats
 
 import dflash2_mlx as d
 from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import attach
+from helpers import ref_probs, exact_joint, chi2_pvalue, params_of
 from tiny_models import make_drafter, make_target
 
 N = 1200
@@ -46,78 +46,6 @@ def setup(tmp_path_factory):
     return out
 
 
-def ref_probs(logits, history, temp, top_p=1.0, top_k=0, min_p=0.0, rep=None, xtc=None):
-    x = np.array(logits, dtype=np.float64)
-    if rep is not None:
-        penalty, ctx = rep
-        for t in set(history[-ctx:]):
-            x[t] = x[t] * penalty if x[t] < 0 else x[t] / penalty
-    lp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
-    keep = np.ones_like(lp, dtype=bool)
-    if 0 < top_p < 1:
-        p = np.exp(lp)
-        for j in range(len(lp)):
-            keep[j] &= p[p > p[j]].sum() < top_p
-    if min_p:
-        keep &= lp >= lp[keep].max() + np.log(min_p)
-
-    def finish(keep):
-        keep = keep.copy()
-        if top_k:
-            order = np.argsort(-np.where(keep, lp, -np.inf))
-            keep[order[top_k:]] = False
-        z = np.where(keep, lp / temp, -np.inf)
-        e = np.exp(z - z.max())
-        return e / e.sum()
-
-    if xtc is None:
-        return finish(keep)
-    # XTC: with chance P, drop every token likelier than the least likely one above the
-    # threshold (of the distribution top-p / min-p left), special tokens excepted.
-    P, threshold, special = xtc
-    pf = np.where(keep, np.exp(lp), 0.0)
-    pf /= pf.sum()
-    cut = np.zeros_like(keep)
-    if (pf > threshold).any():
-        cut = pf > pf[pf > threshold].min()
-        cut[list(special)] = False
-    return (1 - P) * finish(keep) + P * finish(keep & ~cut)
-
-
-def exact_joint(model, prompt, n, **kw):
-    V = model.args.vocab_size
-    joint = {}
-
-    def rec(prefix, prob):
-        if len(prefix) == n:
-            joint[tuple(prefix)] = prob
-            return
-        logits = model(mx.array([prompt + prefix]))[0, -1].astype(mx.float32)
-        p = ref_probs(np.array(logits), prompt + prefix, **kw)
-        for t in range(V):
-            if p[t] > 0:
-                rec(prefix + [t], prob * p[t])
-
-    rec([], 1.0)
-    return joint
-
-
-def chi2_pvalue(counts, joint, n):
-    keys = sorted(joint, key=lambda k: -joint[k])
-    exp = np.array([joint[k] * n for k in keys])
-    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    outside = n - obs.sum()
-    assert outside == 0, f"{outside} samples fell on outcomes of probability zero"
-    big = exp >= 5
-    exp_b = np.append(exp[big], exp[~big].sum())
-    obs_b = np.append(obs[big], obs[~big].sum())
-    if exp_b[-1] < 5:  # fold a small remainder into the smallest kept bin
-        exp_b[-2] += exp_b[-1]
-        obs_b[-2] += obs_b[-1]
-        exp_b, obs_b = exp_b[:-1], obs_b[:-1]
-    return sstats.chisquare(obs_b, exp_b).pvalue
-
-
 CASES = [
     (1, dict(temp=1.0)),
     (2, dict(temp=0.8, top_p=0.9)),
@@ -128,14 +56,6 @@ CASES = [
     (2, dict(temp=1.0, xtc=(0.6, 0.1, ()))),
     (1, dict(temp=0.8, min_p=0.02, top_k=4, xtc=(0.8, 0.15, (1,)))),
 ]
-
-
-def params_of(kw) -> SamplingParams:
-    xtc = kw.get("xtc")
-    other = {k: v for k, v in kw.items() if k != "xtc"}
-    if xtc is None:
-        return SamplingParams(**other)
-    return SamplingParams(**other, xtc_probability=xtc[0], xtc_threshold=xtc[1], xtc_special_tokens=xtc[2])
 
 
 def sampled_runs(model, drafter, prompt, params, procs, n=N):

@@ -12,6 +12,7 @@ from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import attach
+from helpers import plain_tokens, dflash_tokens, cache_arrays
 from tiny_models import looping_pair, make_drafter, make_target
 
 FAMILIES = ["llama", "llama_sliding", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
@@ -41,22 +42,6 @@ def pairs(tmp_path_factory):
             drafters[v] = drafter
         out[fam] = (model, tok, drafters)
     return out
-
-
-def plain_tokens(model, prompt, n, processors=None):
-    gen = generate_step(mx.array(prompt), model, max_tokens=n, logits_processors=processors)
-    return [int(t) for t, _ in gen]
-
-
-def dflash_tokens(model, drafter, prompt, n, block_size, processors=None, lookup=True):
-    target = attach(model, drafter)
-    steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=n,
-                                      block_size=block_size, logits_processors=processors,
-                                      lookup=lookup)
-    tokens, stats = [], None
-    for t, _, _, stats in steps:
-        tokens.append(t)
-    return tokens, stats
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -336,18 +321,6 @@ def test_always_accepted_and_always_rejected(tmp_path, agree):
         assert stats.copied == stats.copies * (block_size - 1)
 
 
-def _cache_arrays(cache):
-    """Every array that defines a cache's state, trimmed to its valid length."""
-    out = []
-    for c in cache:
-        if c.is_trimmable():
-            k, v = c.keys_and_values() if hasattr(c, "keys_and_values") else c.state[:2]
-            out += [np.array(k), np.array(v)]
-        else:
-            out += [np.array(a) for a in c.cache]
-    return out
-
-
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 def test_cache_equals_fresh_prefill_after_every_cycle(pairs, family, temp):
@@ -364,14 +337,14 @@ def test_cache_equals_fresh_prefill_after_every_cycle(pairs, family, temp):
     for t, _, _, stats in steps:
         if stats.cycles != seen_cycles:  # first token of a new cycle: cache rolled back
             seen_cycles = stats.cycles
-            checks.append((len(tokens), stats.accepted, _cache_arrays(cache)))
+            checks.append((len(tokens), stats.accepted, cache_arrays(cache)))
         tokens.append(t)
     assert len(checks) >= 5
     for n_before, accepted, state in checks:
         committed = prompt + tokens[: n_before + accepted]
         fresh = target.make_cache()
         target(mx.array([committed]), fresh)
-        ref = _cache_arrays(fresh)
+        ref = cache_arrays(fresh)
         assert len(ref) == len(state)
         for a, b in zip(state, ref):
             assert a.shape == b.shape

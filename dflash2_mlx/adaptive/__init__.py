@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+from ..machine.identity import identity
 
 AUTO = "auto"
 STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
@@ -284,25 +285,11 @@ def _shapes(module) -> list:
     return sorted((k, v.dtype.__repr__(), v.shape) for k, v in tree_flatten(module.parameters()))
 
 
-def machine_identity() -> dict:
-    import mlx
-
-    info = {"machine": platform.machine(), "processor": platform.processor(),
-            "system": platform.system(), "cpus": os.cpu_count(),
-            "mlx": getattr(mlx, "__version__", None) or mx.__version__,
-            "device": str(mx.default_device()),
-            "blas": os.path.basename(os.environ.get("LD_PRELOAD", "")),
-            "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")}
-    if mx.metal.is_available():
-        info["gpu"] = mx.metal.device_info().get("device_name", "")
-    return info
-
-
 def cost_key(target, drafter) -> str:
     """Model identity (architecture, shapes and dtypes of every weight), machine."""
     return _digest({"calibration": CALIBRATION, "target": _shapes(target.model), "drafter": _shapes(drafter),
                     "drafter_activations": str(drafter.activation_dtype),
-                    "machine": machine_identity()})
+                    "machine": identity()})
 
 
 def pair_key(target, drafter, greedy: bool, cost: Optional[str] = None) -> str:

@@ -17,7 +17,6 @@ recorded as a mismatch (``report["mismatches"]``) and reported loudly.
 """
 
 import json
-import platform
 import random
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..machine.identity import describe
 from .evaluate import plot_acceptance
 
 PLAIN = "plain"
@@ -143,18 +143,6 @@ class Tally:
         return out
 
 
-def machine() -> dict:
-    import os
-
-    import mlx
-
-    return {"platform": platform.platform(), "machine": platform.machine(),
-            "processor": platform.processor(), "cpus": os.cpu_count(),
-            "mlx": getattr(mlx, "__version__", None) or mx.__version__,
-            "metal": mx.metal.is_available(),
-            "ld_preload": os.environ.get("LD_PRELOAD", "")}
-
-
 def warm_up(model, tokenizer, runs: Dict[str, tuple]):
     """One short run per method, so compilation, allocation and the adaptive row's cost
     calibration (once per pair and machine, then cached) are not timed."""
@@ -219,7 +207,7 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
                    "drafters": {k: {"version": d.version, "trained_block_size": d.config.block_size,
                                     "layers": d.config.num_hidden_layers}
                                 for k, d in drafters.items()}},
-        "machine": machine(), "methods": methods, "results": {}, "mismatches": [],
+        "machine": describe(), "methods": methods, "results": {}, "mismatches": [],
         "t0_checked": 0,
     }
     warm_up(model, tokenizer, runs)

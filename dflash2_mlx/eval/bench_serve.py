@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import json
 import math
-import os
 import socket
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 BATCHED, BASELINE = "batched", "one at a time"
 
@@ -184,7 +183,8 @@ def run_serve_bench(*, model: Optional[str] = None, draft: Optional[str] = None,
                     block_size: Optional[int] = None, work_dir: Optional[Path] = None,
                     log: Callable[[str], None] = print) -> dict:
     """The whole benchmark (see the module docstring); the report as a dict."""
-    from .bench import default_bench_files, machine
+    from ..machine.identity import describe
+    from .bench import default_bench_files
 
     streams = sorted(set(streams))
     if baseline_streams is None:
@@ -231,7 +231,7 @@ def run_serve_bench(*, model: Optional[str] = None, draft: Optional[str] = None,
                        "max_tokens": max_tokens, "max_batch": max_batch,
                        "baseline_streams": list(baseline_streams), "temp": temp, "seed": seed,
                        "block_size": block_size or "auto", "bench_files": [str(f) for f in bench_files]},
-            "machine": machine(), "rows": rows, "ratios": ratios(rows),
+            "machine": describe(), "rows": rows, "ratios": ratios(rows),
             "parity_checked": checked, "mismatches": mismatches}
 
 

@@ -1,0 +1,120 @@
+"""What several test modules share: exact reference distributions and the chi-square test
+for sampling, plain / DFlash token runs, and a cache's state as arrays.  (The tiny models
+themselves are in ``tiny_models.py``, which is also a script.)"""
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from scipy import stats as sstats
+
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.loop.target import attach
+
+
+def ref_probs(logits, history, temp, top_p=1.0, top_k=0, min_p=0.0, rep=None, xtc=None):
+    x = np.array(logits, dtype=np.float64)
+    if rep is not None:
+        penalty, ctx = rep
+        for t in set(history[-ctx:]):
+            x[t] = x[t] * penalty if x[t] < 0 else x[t] / penalty
+    lp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+    keep = np.ones_like(lp, dtype=bool)
+    if 0 < top_p < 1:
+        p = np.exp(lp)
+        for j in range(len(lp)):
+            keep[j] &= p[p > p[j]].sum() < top_p
+    if min_p:
+        keep &= lp >= lp[keep].max() + np.log(min_p)
+
+    def finish(keep):
+        keep = keep.copy()
+        if top_k:
+            order = np.argsort(-np.where(keep, lp, -np.inf))
+            keep[order[top_k:]] = False
+        z = np.where(keep, lp / temp, -np.inf)
+        e = np.exp(z - z.max())
+        return e / e.sum()
+
+    if xtc is None:
+        return finish(keep)
+    # XTC: with chance P, drop every token likelier than the least likely one above the
+    # threshold (of the distribution top-p / min-p left), special tokens excepted.
+    P, threshold, special = xtc
+    pf = np.where(keep, np.exp(lp), 0.0)
+    pf /= pf.sum()
+    cut = np.zeros_like(keep)
+    if (pf > threshold).any():
+        cut = pf > pf[pf > threshold].min()
+        cut[list(special)] = False
+    return (1 - P) * finish(keep) + P * finish(keep & ~cut)
+
+
+def exact_joint(model, prompt, n, **kw):
+    V = model.args.vocab_size
+    joint = {}
+
+    def rec(prefix, prob):
+        if len(prefix) == n:
+            joint[tuple(prefix)] = prob
+            return
+        logits = model(mx.array([prompt + prefix]))[0, -1].astype(mx.float32)
+        p = ref_probs(np.array(logits), prompt + prefix, **kw)
+        for t in range(V):
+            if p[t] > 0:
+                rec(prefix + [t], prob * p[t])
+
+    rec([], 1.0)
+    return joint
+
+
+def chi2_pvalue(counts, joint, n):
+    keys = sorted(joint, key=lambda k: -joint[k])
+    exp = np.array([joint[k] * n for k in keys])
+    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    outside = n - obs.sum()
+    assert outside == 0, f"{outside} samples fell on outcomes of probability zero"
+    big = exp >= 5
+    exp_b = np.append(exp[big], exp[~big].sum())
+    obs_b = np.append(obs[big], obs[~big].sum())
+    if exp_b[-1] < 5:  # fold a small remainder into the smallest kept bin
+        exp_b[-2] += exp_b[-1]
+        obs_b[-2] += obs_b[-1]
+        exp_b, obs_b = exp_b[:-1], obs_b[:-1]
+    return sstats.chisquare(obs_b, exp_b).pvalue
+
+
+def params_of(kw) -> SamplingParams:
+    xtc = kw.get("xtc")
+    other = {k: v for k, v in kw.items() if k != "xtc"}
+    if xtc is None:
+        return SamplingParams(**other)
+    return SamplingParams(**other, xtc_probability=xtc[0], xtc_threshold=xtc[1], xtc_special_tokens=xtc[2])
+
+
+def plain_tokens(model, prompt, n, processors=None):
+    gen = generate_step(mx.array(prompt), model, max_tokens=n, logits_processors=processors)
+    return [int(t) for t, _ in gen]
+
+
+def dflash_tokens(model, drafter, prompt, n, block_size, processors=None, lookup=True):
+    target = attach(model, drafter)
+    steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=n,
+                                      block_size=block_size, logits_processors=processors,
+                                      lookup=lookup)
+    tokens, stats = [], None
+    for t, _, _, stats in steps:
+        tokens.append(t)
+    return tokens, stats
+
+
+def cache_arrays(cache):
+    """Every array that defines a cache's state, trimmed to its valid length."""
+    out = []
+    for c in cache:
+        if c.is_trimmable():
+            k, v = c.keys_and_values() if hasattr(c, "keys_and_values") else c.state[:2]
+            out += [np.array(k), np.array(v)]
+        else:
+            out += [np.array(a) for a in c.cache]
+    return out
