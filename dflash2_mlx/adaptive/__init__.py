@@ -69,7 +69,7 @@ TIMING_FORMAT = 2  # bumped when the loop times cycles differently: older timing
 Line = Tuple[float, float]  # (seconds at context 0, extra seconds per context token)
 
 
-def _interp(points: Dict[int, Line], b: int) -> Line:
+def interp(points: Dict[int, Line], b: int) -> Line:
     """Piecewise-linear interpolation of the measured lines over block sizes."""
     keys = sorted(points)
     if b <= keys[0] or b >= keys[-1]:
@@ -96,11 +96,11 @@ class CostModel:
         return seconds + self.draft(b, context) if b > 1 else seconds
 
     def verify(self, b: int, context: int) -> float:
-        base, slope = _interp(self.target, b)
+        base, slope = interp(self.target, b)
         return base + slope * context
 
     def draft(self, b: int, context: int) -> float:
-        base, slope = _interp(self.drafter, b)
+        base, slope = interp(self.drafter, b)
         return base + slope * context
 
     def to_json(self) -> dict:
@@ -205,7 +205,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
                   for b in blocks if (step, b, long) in best}
         out = {}
         for b in blocks:
-            slope = _interp(slopes, b)[0]
+            slope = interp(slopes, b)[0]
             out[b] = (best[(step, b, short)] - slope * short, slope)
         return out
 

@@ -841,14 +841,14 @@ class Engine:
         """Keep a batch sequence's caches (every token it committed, in order) for reuse."""
         from mlx_lm.models.cache import KVCache
 
-        from .prefix_cache import Start, _recurrent
+        from .prefix_cache import Start, recurrent_state
 
         n = next((c.offset for c in cache if isinstance(c, KVCache)), 0)
         start = Start(cache, context, tokens=n)
         if not all(c.is_trimmable() for c in cache):
             # Recurrent states: the batch replays them to exactly the committed tokens, which
             # are all known unless a stop token cut the cycle (``store`` checks the count).
-            start.held = (n, _recurrent(cache))
+            start.held = (n, recurrent_state(cache))
         self.prefix_cache.store(j.ids + j.tokens, start)
 
     def _done(self, j: "_Joined"):
@@ -1027,18 +1027,18 @@ def _batchable(model, drafter) -> bool:
 def _own_random(steps):
     """A stepped job with its own random key: jobs that take turns on the worker do not
     draw from each other's streams (a seeded request keeps its text)."""
-    from ..batch import _fresh_key, _swap_key
+    from ..loop.random_keys import fresh_key, swap_key
 
     def job(*args):
-        gen, key = steps(*args), _fresh_key()
+        gen, key = steps(*args), fresh_key()
         while True:
-            outer = _swap_key(key)
+            outer = swap_key(key)
             try:
                 next(gen)
             except StopIteration:
                 return
             finally:
-                key = _swap_key(outer)
+                key = swap_key(outer)
             yield
 
     return job

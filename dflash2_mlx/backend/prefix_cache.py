@@ -79,7 +79,7 @@ def covers(tokens: tuple, has_draft: bool, trimmable: bool, old_tokens: tuple, o
             and (trimmable or old_tokens == tokens))
 
 
-def _recurrent(cache) -> list:
+def recurrent_state(cache) -> list:
     """The recurrent states of ``cache`` (None for attention layers). The models replace
     these arrays at each step rather than write into them, so references are a snapshot:
     the one a speculative rollback takes (caches here are only KVCache / ArraysCache)."""
@@ -178,7 +178,7 @@ class PrefixCache:
         if not all(c.is_trimmable() for c in cache):
             if start.tokens < len(ids) - 1:
                 self._advance(start, ids[: len(ids) - 1], model)
-            start.held = (start.tokens, _recurrent(cache))
+            start.held = (start.tokens, recurrent_state(cache))
             if start.tokens > n:
                 self.store(ids[: len(ids) - 1], start)
         return start
@@ -192,7 +192,7 @@ class PrefixCache:
             return
         n = _held(start.cache)
         if n is not None and start.held[0] < n <= known:
-            start.held = (n, _recurrent(start.cache))
+            start.held = (n, recurrent_state(start.cache))
 
     @staticmethod
     def _restore(e: Entry, n: int, cache, context):

@@ -30,33 +30,18 @@ from typing import Callable, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .. import adaptive
-from ..adaptive import _interp
+from ..adaptive import interp
 from .cache import TargetBatch, batch_layers, draft_hidden
 from ..loop.draft_context import DraftContext
 from ..model.drafter import Drafter, propose
 from ..loop.lookup import Lookup, one_hot_rows
 from ..loop.sampling import SamplingParams, probs, processed_logprobs, sample
 from ..loop.cycle import CycleStats
+from ..loop.random_keys import fresh_key, swap_key
 from ..loop.target import attach
 
 
 # --- the batched cycle ------------------------------------------------------------------------
-
-def _swap_key(key: int) -> int:
-    """Make ``key`` (64 bits) the global PRNG key; return the key it replaces.
-
-    ``mx.random.seed(s)`` sets the key to [s >> 32, s & 0xffffffff], so any key can be
-    put back; ``propose`` and the accept rules draw from the global key."""
-    hi, lo = mx.random.state[0].tolist()
-    mx.random.seed(key)
-    return (hi << 32) | lo
-
-
-def _fresh_key() -> int:
-    """A key for a sequence without a seed, drawn from the global generator (62 bits)."""
-    hi, lo = mx.random.randint(0, (1 << 31) - 1, shape=(2,)).tolist()
-    return (hi << 32) | lo
-
 
 @dataclass
 class Response:
@@ -179,13 +164,13 @@ class BatchCosts:
 
     def _part(self, points: dict, b: int, context: int) -> float:
         S = self.streams
-        return _rows_base(points, S * b) + S * _interp(points, b)[1] * context
+        return _rows_base(points, S * b) + S * interp(points, b)[1] * context
 
 
 def _rows_base(points: dict, rows: int) -> float:
     keys = sorted(points)
     if rows <= keys[-1] or len(keys) < 2:
-        return _interp(points, rows)[0]
+        return interp(points, rows)[0]
     lo, hi = keys[-2], keys[-1]
     per_row = max(0.0, (points[hi][0] - points[lo][0]) / (hi - lo))
     return points[hi][0] + per_row * (rows - hi)
@@ -256,7 +241,7 @@ class BatchGenerator:
                              f"got {cached_tokens} of {prompt.size}")
         key = None
         if not params.greedy:
-            key = seed if seed is not None else _fresh_key()
+            key = seed if seed is not None else fresh_key()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         self.waiting.append(_Sequence(
             uid, prompt, params, logits_processors, max_tokens if max_tokens > 0 else float("inf"),
@@ -492,11 +477,11 @@ class _KeyScope:
 
     def __enter__(self):
         if self.seq.key is not None:
-            self.outer = _swap_key(self.seq.key)
+            self.outer = swap_key(self.seq.key)
 
     def __exit__(self, *exc):
         if self.seq.key is not None:
-            self.seq.key = _swap_key(self.outer)
+            self.seq.key = swap_key(self.outer)
 
 
 # --- the Python API ----------------------------------------------------------------------------

@@ -1,0 +1,23 @@
+"""Random streams of their own: a sequence's (or a job's) PRNG key swapped in around its draws.
+
+``propose`` and the accept rules draw from MLX's global key, so a seeded sequence in a batch,
+or a request taking turns on the worker, draws what it would draw alone when its own key is
+the global one for exactly its draws."""
+
+import mlx.core as mx
+
+
+def swap_key(key: int) -> int:
+    """Make ``key`` (64 bits) the global PRNG key; return the key it replaces.
+
+    ``mx.random.seed(s)`` sets the key to [s >> 32, s & 0xffffffff], so any key can be
+    put back; ``propose`` and the accept rules draw from the global key."""
+    hi, lo = mx.random.state[0].tolist()
+    mx.random.seed(key)
+    return (hi << 32) | lo
+
+
+def fresh_key() -> int:
+    """A key for a sequence without a seed, drawn from the global generator (62 bits)."""
+    hi, lo = mx.random.randint(0, (1 << 31) - 1, shape=(2,)).tolist()
+    return (hi << 32) | lo
