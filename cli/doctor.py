@@ -10,6 +10,7 @@ def register(app: typer.Typer):
 
 def doctor():
     """Report the BLAS in use (Linux CPU) and, per kernel, the active path and self-check result."""
+    # Imported when the command runs, not when the CLI starts, so that `--help` stays fast.
     from ..machine.doctor import run_doctor
 
     run_doctor(echo=typer.echo)

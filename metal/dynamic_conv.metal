@@ -3,7 +3,7 @@
 //   out[n, t, c] = sum_o (base[o, c] + dyn[n, t, o, c / GS]) * x[n, t - o, c],   x[n, -1, c] = 0
 //
 // Everything below the "//@ conv" line is the body handed to mx.fast.metal_kernel;
-// MLX writes the signature from the names and dtypes (dflash2_mlx/kernels.py):
+// MLX writes the signature from the names and dtypes (dflash2_mlx/kernels/launches.py):
 //   inputs   x [N, L, H], dyn [N, L, 2, H / GS], base [2, H]   (row-contiguous)
 //   outputs  out [N, L, H]
 //   template T    output dtype (= x's dtype)
@@ -20,7 +20,7 @@
 // fused multiply-add, skipping one product's rounding; then
 //   |out - twin| <= eps(C) * max(|tap0 * x|, |tap1 * x_prev|) + eps(T) * |twin|,
 // relative to the products, not the result (cancellation can make the result tiny and
-// that difference many ulps of it). kernels.conv_problem checks exactly this bound.
+// that difference many ulps of it). kernels.selfcheck.conv_problem checks exactly this bound.
 
 //@ conv
 const uint c = thread_position_in_grid.x;

@@ -5,7 +5,7 @@
 //   S[n, t, a, b] = U[n, t, b] + sum_r AG(A[pred(t, a), r] * g[n, t, r]) * B[cand[n, t, b], r]
 //   pred(0, a) = anchor[n],  pred(t, a) = cand[n, t - 1, a]
 //
-// Sections (split on the "//@ name" lines by dflash2_mlx/kernels.py):
+// Sections (split on the "//@ name" lines by dflash2_mlx/kernels/sources.py):
 //   header  the walk step shared by both kernels (passed as `header=`)
 //   select  fused kernel: inputs unary [N, L, K], cand [N, L, K] (integer ids),
 //           gate [N, L, R], anchor [N], predecessor_codebook [V, R],
@@ -28,7 +28,7 @@
 //   walk    walk only (for scores computed elsewhere): inputs scores, temperature,
 //           uniforms; outputs path, q; template K, L. One thread per batch row.
 //
-// Walk rules (shared with dflash2_mlx.selector.walk_reference):
+// Walk rules (shared with dflash2_mlx.model.selector.walk_reference):
 //   a NaN score counts as -inf (so NaN rows behave the same on every back-end);
 //   greedy (temperature == 0): argmax, ties to the lowest candidate index; q one-hot.
 //   sampled: x = row / temperature; if max(x) is not finite (every score -inf or NaN,

@@ -5,11 +5,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash2_mlx.model.config import DrafterConfig
-from dflash2_mlx.model.conv import dynamic_conv_reference
-from dflash2_mlx.model.drafter import DynamicConv
-from dflash2_mlx.model.drafter import Drafter
 from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.model.config import DrafterConfig, default_target_layer_ids
+from dflash2_mlx.model.conv import dynamic_conv_reference
+from dflash2_mlx.model.drafter import Drafter, DynamicConv, propose
 from dflash2_mlx.model.selector import pair_scores_reference, walk_reference
 
 
@@ -145,15 +144,11 @@ def test_output_multiplier_softcap_and_input_scale():
 
 
 def test_default_target_layer_ids():
-    from dflash2_mlx.model.config import default_target_layer_ids
-
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B-DFlash-b16
     assert default_target_layer_ids(64, 1) == [32]
 
 
 def test_v2_greedy_walk_with_zero_successor_codebook_equals_v1_argmax():
-    from dflash2_mlx.model.drafter import propose
-
     drafter = bound(config())
     ctx = mx.random.normal((1, 5, 64))
     h = hidden(drafter, ctx, mx.array([[3, 2, 2, 2, 2]]))

@@ -113,7 +113,7 @@ def test_production_variants_cover_what_production_dispatches():
 
 
 def test_twins_import_nothing_of_the_kernels():
-    """One-way structure: the twins define meaning; dispatch (kernels.py) sits above them
+    """One-way structure: the twins define meaning; dispatch (kernels/) sits above them
     and the drafter's modules call the dispatch."""
     for name in ("conv", "selector"):
         tree = ast.parse(Path(importlib.import_module(f"dflash2_mlx.model.{name}").__file__).read_text())

@@ -8,9 +8,10 @@ import pytest
 from mlx_lm.utils import _get_classes
 
 import dflash2_mlx as d
-from dflash2_mlx.model.config import DrafterConfig
-from dflash2_mlx.model.checkpoint import CheckpointError, PairError, load_drafter
 from dflash2_mlx.loop.target import Target, UnsupportedTargetError
+from dflash2_mlx.model.checkpoint import CheckpointError, PairError, load_drafter, save_drafter
+from dflash2_mlx.model.config import DrafterConfig
+from dflash2_mlx.model.drafter import Drafter
 from tiny_models import drafter_config, make_drafter, make_target
 
 
@@ -94,9 +95,6 @@ def test_sharded_checkpoint(root, tmp_path):
 ])
 def test_pair_mismatch(root, tmp_path, change, message):
     cfg = drafter_config(root / "t", 2, **change)
-    from dflash2_mlx.model.drafter import Drafter
-    from dflash2_mlx.model.checkpoint import save_drafter
-
     save_drafter(Drafter(DrafterConfig.from_dict(cfg)), tmp_path / "bad")
     with pytest.raises(PairError, match=message):
         d.load(str(root / "t"), str(tmp_path / "bad"))

@@ -6,6 +6,10 @@ import time
 import mlx.core as mx
 
 from .. import kernels
+from ..generate import check_block_size, encode_prompt, load
+from ..loop.cycle import speculative_generate_step
+from ..loop.sampling import SamplingParams
+from ..loop.target import attach
 from ..model.conv import dynamic_conv_reference
 from ..model.selector import pair_scores_reference, walk_reference
 
@@ -104,11 +108,6 @@ def draft_cycle_share(target: str, draft: str, prompt: str = "the quick brown fo
     run in which each of their calls is timed alone (``kernels.profile``). Returns
     dict(cycles, cycle_ms, conv_ms, selector_ms, conv_share, selector_share, path,
     profiled_cycle_ms: the per-cycle time of the timed run, sync points included)."""
-    from ..generate import check_block_size, encode_prompt, load
-    from ..loop.sampling import SamplingParams
-    from ..loop.cycle import speculative_generate_step
-    from ..loop.target import attach
-
     model, tokenizer, drafter = load(target, draft)
     if drafter.version != 2:
         raise ValueError("the conv and selector exist only in DFlash 2 drafters")

@@ -2,18 +2,18 @@
 
 A verify pass multiplies a few rows (one block, or one row per sequence of a batch) by every
 weight matrix.  OpenBLAS runs such small-M products as sgemms that hardly use a second
-thread, while a 1-row product (a plain decode step) uses both cores: on a 2-core x86 a 5-row
-pass of SmolLM2-135M costs 1.55x a 1-row one.  With each product's output columns split in
-halves, computed on two CPU streams with one BLAS thread each, it costs about 1.3x.
-(Measured with two BLAS threads only; with more, the two streams still run one each.)
+thread, while a 1-row product (a plain decode step) uses both cores.  With each product's
+output columns split in halves, computed on two CPU streams with one BLAS thread each, a
+multi-row pass uses both cores too (with more BLAS threads, the two streams still run one
+each).  ``docs/cpu.md`` has what the split saves, with the commands that measure it.
 
 Only the target's float32 Linear layers and its tied LM head are split, and only while a
 pass over 2..MAX_ROWS rows runs (``rows``); the BLAS thread count is restored after it, so
 plain decoding and long prefills run exactly as mlx-lm runs them.  Off on any other device,
 without OpenBLAS (whose thread count it sets), with one BLAS thread, or with
-DFLASH2_MLX_CPU_SPLIT=0.  The split changes a verify's logits by float rounding (~5e-5 on
-SmolLM2), as any multi-row pass already differs from 1-row steps; what is emitted is
-still decided by the target's own logits.
+DFLASH2_MLX_CPU_SPLIT=0.  The split changes a verify's logits by float rounding (the sums
+run in another order), as any multi-row pass already differs from 1-row steps; what is
+emitted is still decided by the target's own logits.
 """
 
 import ctypes
@@ -24,7 +24,9 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-MAX_ROWS = 15  # SmolLM2 on a 2-core x86: the split wins at 2..14 rows (14: 79 vs 91 ms), loses at 16 (82 vs 75)
+# The most rows a split pass has: on a 2-core x86 with SmolLM2 a longer pass is faster as
+# one multi-threaded product (see docs/cpu.md).
+MAX_ROWS = 15
 _here = threading.local()  # per thread (MLX's streams are not shared across threads): active, streams
 
 

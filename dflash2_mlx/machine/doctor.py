@@ -10,8 +10,8 @@ import mlx.core as mx
 
 from .. import kernels
 
-# MLX's Linux CPU wheel bundles a reference BLAS; fp32 matmuls are several times faster
-# with one of these loaded into the process (LD_PRELOAD).
+# MLX's Linux CPU wheel bundles a reference BLAS; fp32 matmuls are faster with one of these
+# loaded into the process (LD_PRELOAD).
 FAST_BLAS = ("libopenblas", "libmkl_rt", "libblis")
 
 
@@ -35,7 +35,7 @@ def loaded_fast_blas() -> Optional[str]:
 
 def blas_hint() -> Optional[str]:
     """One line telling the user how to preload OpenBLAS, when MLX runs on the Linux CPU
-    without a fast BLAS (prompt ~7x, decoding 3-5x slower); None otherwise."""
+    without a fast BLAS; None otherwise."""
     if not sys.platform.startswith("linux") or mx.default_device().type != mx.DeviceType.cpu:
         return None
     if loaded_fast_blas() is not None:

@@ -10,8 +10,10 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from huggingface_hub import snapshot_download
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..loop.target import model_args
 from .config import DrafterConfig, DrafterConfigError
 from .drafter import Drafter
 
@@ -36,8 +38,6 @@ def resolve(path_or_repo: str) -> Path:
         return path
     if str(path_or_repo).startswith((".", "/", "~")) or str(path_or_repo).count("/") != 1:
         raise CheckpointError(f"no such directory: {path_or_repo}")
-    from huggingface_hub import snapshot_download
-
     return Path(snapshot_download(str(path_or_repo), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]))
 
 
@@ -204,8 +204,6 @@ def pair_problems(cfg: DrafterConfig, vocab: int, hidden: int, depth: int) -> li
 
 def validate_pair(target_model, drafter):
     """Raise PairError naming every mismatch between a target and a drafter (or its config)."""
-    from ..loop.target import model_args
-
     args = model_args(target_model)
     problems = pair_problems(getattr(drafter, "config", drafter), args.vocab_size, args.hidden_size,
                              len(target_model.layers))

@@ -5,10 +5,16 @@ DFlash v1 checkpoints keep ``block_size`` (and some others) at the top level.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 V1_ARCH = "DFlashDraftModel"
 V2_ARCH = "DFlash2DraftModel"
+
+
+REQUIRED_KEYS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "intermediate_size", "vocab_size", "block_size", "mask_token_id",
+)
 
 
 class DrafterConfigError(ValueError):
@@ -19,6 +25,55 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> List[int]:
     if n == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+def _lookup(cfg: Dict[str, Any]) -> Callable:
+    """``get(key, default)``: the key's non-null value in ``dflash_config``, else at the
+    top level, else ``default``."""
+    dflash = cfg.get("dflash_config") or {}
+
+    def get(key, default=None):
+        if key in dflash and dflash[key] is not None:
+            return dflash[key]
+        if key in cfg and cfg[key] is not None:
+            return cfg[key]
+        return default
+
+    return get
+
+
+def _version(archs: list) -> int:
+    if V2_ARCH in archs:
+        return 2
+    if V1_ARCH in archs:
+        return 1
+    raise DrafterConfigError(
+        f"config.json architectures {archs!r} name no DFlash drafter; "
+        f"expected [{V2_ARCH!r}] (DFlash 2) or [{V1_ARCH!r}] (DFlash v1)"
+    )
+
+
+def _target_layer_ids(get: Callable, num_target_layers) -> list:
+    """The tapped target layers: given, or spread over ``num_target_layers``."""
+    ids = get("target_layer_ids")
+    if ids is not None:
+        return ids
+    if num_target_layers is None:
+        raise DrafterConfigError("drafter config.json has neither target_layer_ids nor num_target_layers")
+    return default_target_layer_ids(int(num_target_layers), int(get("num_target_features", 1) or 1))
+
+
+def _layer_types(get: Callable, layers: int, sliding_window) -> list:
+    """One attention type per drafter layer: given, or all sliding / all full."""
+    layer_types = get("layer_types")
+    if not layer_types:
+        use_sliding = bool(get("use_sliding_window", False)) and sliding_window
+        layer_types = ["sliding_attention" if use_sliding else "full_attention"] * layers
+    if len(layer_types) != layers:
+        raise DrafterConfigError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+    if "sliding_attention" in layer_types and not sliding_window:
+        raise DrafterConfigError("layer_types has sliding layers but no sliding_window")
+    return layer_types
 
 
 @dataclass
@@ -62,54 +117,18 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, cfg: Dict[str, Any]) -> "DrafterConfig":
-        dflash = cfg.get("dflash_config") or {}
-
-        def get(key, default=None):
-            if key in dflash and dflash[key] is not None:
-                return dflash[key]
-            if key in cfg and cfg[key] is not None:
-                return cfg[key]
-            return default
-
-        archs = cfg.get("architectures") or []
-        if V2_ARCH in archs:
-            version = 2
-        elif V1_ARCH in archs:
-            version = 1
-        else:
-            raise DrafterConfigError(
-                f"config.json architectures {archs!r} name no DFlash drafter; "
-                f"expected [{V2_ARCH!r}] (DFlash 2) or [{V1_ARCH!r}] (DFlash v1)"
-            )
-        required = [
-            "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "intermediate_size", "vocab_size", "block_size", "mask_token_id",
-        ]
-        missing = [k for k in required if get(k) is None]
+        get = _lookup(cfg)
+        version = _version(cfg.get("architectures") or [])
+        missing = [k for k in REQUIRED_KEYS if get(k) is None]
         if missing:
             raise DrafterConfigError(f"drafter config.json is missing {', '.join(missing)}")
         hidden = int(get("hidden_size"))
         heads = int(get("num_attention_heads"))
         layers = int(get("num_hidden_layers"))
         num_target_layers = get("num_target_layers")
-        ids = get("target_layer_ids")
-        if ids is None:
-            if num_target_layers is None:
-                raise DrafterConfigError(
-                    "drafter config.json has neither target_layer_ids nor num_target_layers"
-                )
-            ids = default_target_layer_ids(int(num_target_layers), int(get("num_target_features", 1) or 1))
+        ids = _target_layer_ids(get, num_target_layers)
         sliding_window = get("sliding_window")
-        layer_types = get("layer_types")
-        if not layer_types:
-            use_sliding = bool(get("use_sliding_window", False)) and sliding_window
-            layer_types = ["sliding_attention" if use_sliding else "full_attention"] * layers
-        if len(layer_types) != layers:
-            raise DrafterConfigError(
-                f"layer_types has {len(layer_types)} entries for {layers} layers"
-            )
-        if "sliding_attention" in layer_types and not sliding_window:
-            raise DrafterConfigError("layer_types has sliding layers but no sliding_window")
+        layer_types = _layer_types(get, layers, sliding_window)
         block_size = int(get("block_size"))
         if block_size < 2:
             raise DrafterConfigError(f"block_size must be at least 2, got {block_size}")
@@ -143,21 +162,25 @@ class DrafterConfig:
             draft_vocab_size=None if get("draft_vocab_size") is None else int(get("draft_vocab_size")),
             raw=dict(cfg),
         )
-        n = conf.draft_vocab_size
-        if n is not None and not (conf.selector_top_k if conf.version == 2 else 1) <= n <= conf.vocab_size:
-            raise DrafterConfigError(
-                f"draft_vocab_size {n} must lie between the selector's top-k and vocab_size {conf.vocab_size}"
-            )
-        if conf.version == 2:
-            if conf.conv_kernel_size != 2:
-                raise DrafterConfigError(
-                    f"conv_kernel_size {conf.conv_kernel_size} is not supported (DFlash 2 uses 2 taps)"
-                )
-            if hidden % conf.conv_group_size:
-                raise DrafterConfigError(
-                    f"hidden_size {hidden} is not divisible by conv_group_size {conf.conv_group_size}"
-                )
+        conf.validate()
         return conf
+
+    def validate(self):
+        """Raise DrafterConfigError where the draft vocabulary or DFlash 2's conv cannot work."""
+        n = self.draft_vocab_size
+        if n is not None and not (self.selector_top_k if self.version == 2 else 1) <= n <= self.vocab_size:
+            raise DrafterConfigError(
+                f"draft_vocab_size {n} must lie between the selector's top-k and vocab_size {self.vocab_size}"
+            )
+        if self.version == 2:
+            if self.conv_kernel_size != 2:
+                raise DrafterConfigError(
+                    f"conv_kernel_size {self.conv_kernel_size} is not supported (DFlash 2 uses 2 taps)"
+                )
+            if self.hidden_size % self.conv_group_size:
+                raise DrafterConfigError(
+                    f"hidden_size {self.hidden_size} is not divisible by conv_group_size {self.conv_group_size}"
+                )
 
     def to_dict(self) -> Dict[str, Any]:
         """The config.json of a checkpoint in the published format."""

@@ -2,9 +2,9 @@
 
     conv(x, dyn, base)[t, c] = sum_o (base[o, c] + dyn[t, o, c // g]) * x[t - o, c],  x[-1] = 0
 
-This module is the conv's meaning and imports nothing of the kernels: ``kernels.py``
-dispatches to Metal or to this twin, and the module around each sublayer
-(``drafter.DynamicConv``) calls the dispatch.
+This module is the conv's meaning and imports nothing of the kernels: ``kernels.dispatch``
+runs the Metal kernel or this twin, and the module around each sublayer
+(``model.drafter.DynamicConv``) calls the dispatch.
 """
 
 import mlx.core as mx

@@ -73,7 +73,7 @@ class MLP(nn.Module):
 
 
 class DynamicConv(nn.Module):
-    """DFlash 2's two-tap dynamic conv around a sublayer (meaning: ``conv.py``).
+    """DFlash 2's two-tap dynamic conv around a sublayer (meaning: ``model.conv``).
 
     ``prepare`` convolves the sublayer input (side 0) and keeps the dynamic taps,
     ``finish`` convolves the sublayer output (side 1) with the taps computed from the same
@@ -106,7 +106,7 @@ class DynamicConv(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """DFlash 2's path selector (meaning: ``selector.py``)."""
+    """DFlash 2's path selector (meaning: ``model.selector``)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, rank: int = 256, top_k: int = 16):
         super().__init__()
