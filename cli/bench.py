@@ -6,6 +6,9 @@ from typing import List, Optional
 
 import typer
 
+# The commands import MLX and the package's modules when they run, so that
+# `dflash2-mlx --help` stays fast.
+
 bench_app = typer.Typer(
     help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts), `bench serve` (the server under concurrent clients) and `bench kernels`.",
     invoke_without_command=True, add_completion=False,
@@ -40,12 +43,13 @@ def bench(
         return
     import mlx_lm
 
-    from ..eval.bench import default_bench_files, markdown, run_bench, sample_prompts, write_report
+    from ..builtin.bench_sets import default_bench_files
+    from ..builtin.defaults import default_pair, default_v1_drafter
+    from ..eval.bench import markdown, run_bench, write_report
+    from ..eval.prompts import sample_prompts
     from ..model.checkpoint import load_drafter, resolve
 
     if model is None:
-        from ..builtin.defaults import default_pair, default_v1_drafter
-
         model, shipped_v2 = default_pair()
         drafter_v2 = drafter_v2 or shipped_v2
         drafter_v1 = drafter_v1 or (None if no_v1 else default_v1_drafter())

@@ -5,6 +5,9 @@ from typing import List, Optional
 
 import typer
 
+# The command imports MLX and the package's modules when it runs, so that
+# `dflash2-mlx --help` stays fast.
+
 
 def register(app: typer.Typer):
     app.command("eval")(eval_command)
@@ -26,12 +29,12 @@ def eval_command(
     """Evaluate drafters on prompt sets: Recall@1/@k by position, oracle tau, tau at T=0/T=1."""
     import mlx_lm
 
-    from ..eval.evaluate import evaluate, load_benches, markdown, write_report
+    from ..builtin.smollm2 import default_target_path
+    from ..eval.evaluate import evaluate, markdown, write_report
+    from ..eval.prompts import load_benches
     from ..model.checkpoint import load_drafter, resolve
 
     if model is None:
-        from ..builtin.smollm2 import default_target_path
-
         model = str(default_target_path())
     target, tokenizer = mlx_lm.load(str(resolve(model)))
     drafters = {}

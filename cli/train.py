@@ -5,6 +5,9 @@ from typing import List, Optional
 
 import typer
 
+# The command imports MLX and the package's modules when it runs, so that
+# `dflash2-mlx --help` stays fast.
+
 
 def register(app: typer.Typer):
     app.command("train")(train)
@@ -49,20 +52,18 @@ def train(
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from the latest checkpoint under --out."),
 ):
     """Train a DFlash / DFlash 2 drafter for a target (data regeneration, training, checkpoints)."""
-    from dflash2_mlx.train import TrainConfig, train_drafter
+    import mlx_lm
+
+    from ..builtin.smollm2 import default_target_path
+    from ..model.checkpoint import resolve
+    from ..train import TrainConfig, train_drafter
+    from ..train.data import generate_dataset
 
     if model is None:
-        from ..builtin.smollm2 import default_target_path
-
         model = str(default_target_path())
     if data_only:
         if prompts is None:
             raise typer.BadParameter("--data-only needs --prompts")
-        import mlx_lm
-
-        from ..model.checkpoint import resolve
-        from dflash2_mlx.train.data import generate_dataset
-
         target, tokenizer = mlx_lm.load(str(resolve(model)))
         n = generate_dataset(target, tokenizer, prompts, data, max_tokens=gen_max_tokens,
                              temp=gen_temp, batch_size=gen_batch_size, limit=prompt_limit)

@@ -1,7 +1,18 @@
+"""Fixtures shared by the test modules: a fresh $DFLASH2_MLX_HOME per session and tiny
+prefix-cache pairs.  The repository root goes on sys.path, so tests import the scripts they
+check as modules (``scripts.recipe.make_domain_prompts``)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 
 from dflash2_mlx.builtin.smollm2 import MODEL_DIR, cache_home
+from tiny_models import make_drafter, make_target, on_worker, worker_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -24,8 +35,6 @@ def _session_home(tmp_path_factory):
 def cache_pair(request, tmp_path_factory):
     """A tiny target of each kind the prefix cache handles (attention only; hybrid, with
     recurrent layers), its DFlash 2 drafter, and generate() on them (on the MLX worker)."""
-    from tiny_models import make_drafter, make_target, on_worker, worker_reference
-
     root = tmp_path_factory.mktemp(request.param)
     target = on_worker(make_target, root / "target", request.param, scale=4.0)
     drafter = on_worker(make_drafter, root / "drafter", target)

@@ -11,12 +11,15 @@ import mlx_lm
 import pytest
 from typer.testing import CliRunner
 
-from dflash2_mlx.eval import bench as Bm
 from dflash2_mlx.adaptive import COPY_LARGEST
-from dflash2_mlx.model.checkpoint import load_drafter
-from dflash2_mlx.eval.profile import _Timed, timed_cycles
+from dflash2_mlx.builtin import bench_sets
+from dflash2_mlx.cli.main import app
+from dflash2_mlx.eval import bench as Bm
+from dflash2_mlx.eval.profile import Timed, timed_cycles
+from dflash2_mlx.eval.prompts import sample_prompts
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import attach
+from dflash2_mlx.model.checkpoint import load_drafter
 from tiny_models import make_drafter, make_target
 
 
@@ -44,16 +47,16 @@ def test_first_mismatch():
 def test_sample_prompts_is_seeded_and_bounded(tiny):
     root, _, _ = tiny
     files = [root / "alpha.jsonl", root / "beta.jsonl"]
-    a = Bm.sample_prompts(files, 2, seed=3)
+    a = sample_prompts(files, 2, seed=3)
     assert list(a) == ["alpha", "beta"]
     assert len(a["alpha"]) == 2 and a["beta"] == ["sun and moon"]
-    assert a == Bm.sample_prompts(files, 2, seed=3)
+    assert a == sample_prompts(files, 2, seed=3)
 
 
 def test_run_bench_report_and_parity(tiny, tmp_path):
     root, model, tok = tiny
     drafters = {"DFlash v1": load_drafter(str(root / "v1")), "DFlash 2": load_drafter(str(root / "v2"))}
-    benches = Bm.sample_prompts([root / "alpha.jsonl", root / "beta.jsonl"], 2, seed=0)
+    benches = sample_prompts([root / "alpha.jsonl", root / "beta.jsonl"], 2, seed=0)
     logs = []
     report = Bm.run_bench(model, tok, drafters, benches, temps=(0.0, 1.0), max_tokens=12,
                           block_size=4, log=logs.append)
@@ -129,8 +132,6 @@ def test_mismatch_record_equal_outputs_is_none(tiny):
 
 
 def test_cli_bench_writes_report_and_exit_code(tiny, tmp_path):
-    from dflash2_mlx.cli.main import app
-
     root, _, _ = tiny
     out = tmp_path / "out"
     args = ["bench", "--model", str(root / "target"), "--drafter-v2", str(root / "v2"),
@@ -146,19 +147,19 @@ def test_cli_bench_writes_report_and_exit_code(tiny, tmp_path):
 
 
 def test_the_five_prompt_sets_ship_with_their_sources(monkeypatch, tmp_path):
-    monkeypatch.delenv(Bm.BENCH_DIR_ENV, raising=False)
-    files = Bm.default_bench_files()
-    assert [f.parent for f in files] == [Bm.SHIPPED_BENCH_DIR] * 5
-    sources = (Bm.SHIPPED_BENCH_DIR / "SOURCES.md").read_text()
-    sets = Bm.sample_prompts(files, 1000)
+    monkeypatch.delenv(bench_sets.BENCH_DIR_ENV, raising=False)
+    files = bench_sets.default_bench_files()
+    assert [f.parent for f in files] == [bench_sets.SHIPPED_BENCH_DIR] * 5
+    sources = (bench_sets.SHIPPED_BENCH_DIR / "SOURCES.md").read_text()
+    sets = sample_prompts(files, 1000)
     for f in files:
         assert f.name in sources
         assert len(sets[f.stem]) >= 80 and all(isinstance(p, str) and p for p in sets[f.stem])
     for license in ("MIT", "CC-BY-4.0", "Apache-2.0"):
         assert license in sources
-    monkeypatch.setenv(Bm.BENCH_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(bench_sets.BENCH_DIR_ENV, str(tmp_path))
     with pytest.raises(ValueError, match=f"{tmp_path} lacks the prompt set.*gsm8k_test.jsonl"):
-        Bm.default_bench_files()
+        bench_sets.default_bench_files()
 
 
 def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
@@ -169,10 +170,10 @@ def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
     r = subprocess.run(["dflash2-mlx", "bench", "--samples", "1", "--max-tokens", "2", "--temp", "0",
                         "--out", str(tmp_path / "bench-out")], capture_output=True, text=True,
                        timeout=600, cwd=tmp_path,
-                       env={k: v for k, v in os.environ.items() if k != Bm.BENCH_DIR_ENV})
+                       env={k: v for k, v in os.environ.items() if k != bench_sets.BENCH_DIR_ENV})
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-out" / "bench.json").read_text())
-    assert report["config"]["benches"] == {b: 1 for b in Bm.BENCH_FILES}
+    assert report["config"]["benches"] == {b: 1 for b in bench_sets.BENCH_FILES}
     assert report["methods"] == ["plain", "DFlash v1", "DFlash 2", "DFlash 2 adaptive",
                                  "DFlash 2 + copies", "DFlash 2 adaptive + copies"]
     assert report["mismatches"] == []
@@ -210,6 +211,6 @@ def test_timed_cycles_split_real_cycles_without_changing_them(tiny):
     plain = [x[0] for x in speculative_generate_step(ids, target, drafter, max_tokens=12, block_size=4)]
     times = dict.fromkeys(("a", "b", "c", "d"), 0.0)
     wrapped = [x[0] for x in speculative_generate_step(
-        ids, _Timed(target, times, "a", "b", lambda i, c: i), _Timed(drafter, times, "c", "d", lambda i, c: i),
+        ids, Timed(target, times, "a", "b", lambda i, c: i), Timed(drafter, times, "c", "d", lambda i, c: i),
         max_tokens=12, block_size=4)]
     assert wrapped == plain and times["b"] > 0 and times["d"] > 0

@@ -19,6 +19,7 @@ import sys
 
 import gguf
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 import regex
@@ -178,8 +179,6 @@ def model_dir(home, gguf_path):
 
 @pytest.fixture(scope="session")
 def loaded(model_dir):
-    import mlx_lm
-
     return mlx_lm.load(str(model_dir))
 
 
@@ -218,8 +217,6 @@ def test_logits_match_independent_reading(loaded, reference):
 
 
 def test_greedy_continuation_matches_independent_reading(loaded, reference):
-    import mlx_lm
-
     model, tokenizer = loaded
     ids = tokenizer.encode(PROMPT)
     got = [r.token for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=N_CONTINUE)]
@@ -341,8 +338,6 @@ def _write_tiny_llama(path, rng):
 
 
 def test_tiny_gguf_with_k_quants_matches_independent_reading(tmp_path):
-    import mlx_lm
-
     path = tmp_path / "tiny.gguf"
     _write_tiny_llama(path, np.random.default_rng(0))
     out = convert_gguf(path, tmp_path / "tiny")

@@ -11,7 +11,8 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from dflash2_mlx.builtin import defaults
-from dflash2_mlx import stream_generate
+from dflash2_mlx import generate, load, stream_generate
+from dflash2_mlx.eval import evaluate as E
 from dflash2_mlx.model.checkpoint import load_drafter, validate_pair
 from dflash2_mlx.train.data import encode
 
@@ -69,8 +70,6 @@ def test_shipped_drafter_greedy_equals_plain_decoding(pair, name, max_tokens):
 
 
 def test_load_without_arguments_is_the_built_in_pair_and_the_readme_example_speaks():
-    from dflash2_mlx import generate, load
-
     model, tokenizer, drafter = load()
     assert drafter.version == 2 and drafter.config.hidden_size == 576
     # The README's example: chat messages go through the chat template.
@@ -89,8 +88,6 @@ def test_loop_tau_offline_matches_the_real_runs(pair):
     """eval's loop τ (teacher-forced, at the anchors a T=0 run visits) is the real T=0
     runs' τ: the loop drafts from the same context as the offline forward. They differ only
     where a run's last blocks are cut by max_tokens, so a few per cent at most."""
-    from dflash2_mlx.eval import evaluate as E
-
     model, tokenizer, drafter_path = pair
     drafter = load_drafter(drafter_path)
     benches = {"mixed": ["Write a Python function that returns the largest of three numbers.",

@@ -8,7 +8,9 @@ import mlx_lm
 import numpy as np
 import pytest
 
+from dflash2_mlx import stream_generate
 from dflash2_mlx.eval import evaluate as E
+from dflash2_mlx.eval.prompts import load_benches
 from dflash2_mlx.model.drafter import propose
 from dflash2_mlx.model.checkpoint import load_drafter
 from dflash2_mlx.loop.sampling import SamplingParams
@@ -25,7 +27,7 @@ def test_conditional_recall_and_leading_by_hand():
     assert num.tolist() == [3, 2, 1, 1]
     assert den.tolist() == [4, 3, 2, 1]
     assert E.leading(hits).tolist() == [2, 1, 0, 4]
-    t = E.Tally(4)
+    t = E.RecallTally(4)
     t.add(hits, np.ones_like(hits), hits)
     r = t.result(version=2)
     assert r["recall_at_1"] == [0.75, 2 / 3, 0.5, 1.0]
@@ -36,7 +38,7 @@ def test_conditional_recall_and_leading_by_hand():
     assert E.loop_anchors(E.leading(hits)).tolist() == [0, 3]
     assert r["tau_loop"] == pytest.approx((3 + 5) / 2)
     assert E.loop_anchors(np.array([0, 0, 1, 0, 3, 0, 0])).tolist() == [0, 1, 2, 4]
-    sub = E.Tally(4)
+    sub = E.RecallTally(4)
     sub.add(hits, hits, every_anchor=False)  # anchors left out: no run to follow
     assert sub.result(version=1)["tau_loop"] is None
 
@@ -85,7 +87,7 @@ def test_offline_hits_match_the_runtime_per_anchor(tiny, name):
 def test_evaluate_reports_side_by_side(tiny, tmp_path):
     root, model, tok = tiny
     drafters = {n: load_drafter(str(root / n)) for n in ("v1", "v2")}
-    benches = E.load_benches([root / "alpha.jsonl", root / "beta.jsonl"])
+    benches = load_benches([root / "alpha.jsonl", root / "beta.jsonl"])
     assert benches == {"alpha": ["the cat sat on", "a dog ran"], "beta": ["sun and moon"]}
     report = E.evaluate(model, tok, drafters, benches, max_tokens=14, temps=(0.0, 1.0), top_k=6)
     for name, d in report["drafters"].items():
@@ -112,12 +114,10 @@ def test_evaluate_reports_side_by_side(tiny, tmp_path):
 def test_real_runs_measure_the_drafter_without_copies(tmp_path):
     """A target that repeats one token and a drafter that never proposes it: generate()
     would copy the repetition (accepted), but eval's runs draft every block, so τ is 1."""
-    import dflash2_mlx as d
-
     model, tok, drafter, _ = looping_pair(tmp_path)
     tally = E.real_runs(model, tok, drafter, ["abc"], temp=0.0, block_size=4, max_tokens=40)
     assert tally.cycles > 10 and tally.result()["tau"] == 1.0
     last = None
-    for last in d.stream_generate(model, tok, "abc", drafter, max_tokens=40, block_size=4):
+    for last in stream_generate(model, tok, "abc", drafter, max_tokens=40, block_size=4):
         pass
     assert last.copies > 0 and last.tau > 2.0

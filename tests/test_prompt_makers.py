@@ -1,14 +1,11 @@
 """Training prompts stay clear of the benchmark sets: the contamination check, and the
-domain-shaped prompt maker in scripts/ (distinct, no benchmark item)."""
+domain-shaped prompt maker of the recipe (scripts/recipe/make_domain_prompts.py: distinct,
+no benchmark item)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from dflash2_mlx.train.contamination import BENCH, benchmark_ngrams, contaminated, ngrams
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from scripts.recipe.make_domain_prompts import domain_prompts
 
 
 def test_contamination_catches_a_copied_item_not_a_shared_form():
@@ -21,11 +18,8 @@ def test_contamination_catches_a_copied_item_not_a_shared_form():
     assert len(benchmark_ngrams()) > 10_000
 
 
-def test_domain_prompts_are_distinct_and_clear_of_the_benchmarks(tmp_path):
-    out = tmp_path / "p.jsonl"
+def test_domain_prompts_are_distinct_and_clear_of_the_benchmarks():
     # 3072 prompts with seed 1 once held two MBPP items word for word.
-    subprocess.run([sys.executable, str(SCRIPTS / "make_domain_prompts.py"), str(out), "--n", "3072"],
-                   check=True, capture_output=True, cwd=SCRIPTS)
-    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    texts, _ = domain_prompts(3072, seed=1)
     assert len(texts) == len(set(texts)) == 3072
     assert not [t for t in texts if contaminated(t)]

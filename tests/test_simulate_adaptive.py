@@ -1,17 +1,11 @@
-"""The offline policy replay in scripts/simulate_adaptive.py: a cycle advances by what its
-acceptance table says, costs come from the cost model, and tables survive a round trip."""
-
-import importlib.util
-from pathlib import Path
+"""The offline policy replay in scripts/experiments/simulate_adaptive.py: a cycle advances by
+what its acceptance table says, costs come from the cost model, and tables survive a round
+trip."""
 
 import numpy as np
 
 from dflash2_mlx import adaptive
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "simulate_adaptive.py"
-spec = importlib.util.spec_from_file_location("simulate_adaptive", SCRIPT)
-sim = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sim)
+from scripts.experiments import simulate_adaptive as sim
 
 # 10 ms a plain step, 15 ms a drafting cycle of any size; no context slope.
 COSTS = adaptive.CostModel({1: (0.010, 0.0), 2: (0.012, 0.0), 4: (0.012, 0.0)},

@@ -13,10 +13,12 @@ import pytest
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
+from dflash2_mlx.cli.main import app
 from dflash2_mlx.generate import stream_generate
-from dflash2_mlx.model.checkpoint import load_drafter, save_drafter, validate_pair
 from dflash2_mlx.loop.target import Target, attach
+from dflash2_mlx.model.checkpoint import load_drafter, save_drafter, validate_pair
 from dflash2_mlx.train import data, init, objective, trainer
+from dflash2_mlx.train.features import FeatureCache, batch_features, target_features
 from tiny_models import make_drafter, make_target
 
 PROMPTS = ["the cat sat", "a dog ran far", "sun and moon", "big red box", "one two three",
@@ -48,8 +50,6 @@ def fixed_blocks(model, drafter, records):
     """A held-out batch: every full-block anchor of the first three sequences."""
     target = attach(model, drafter)
     seqs = list(data.sequences(records[:3]))
-    from dflash2_mlx.train.features import target_features
-
     feats = target_features(target, [s for s, _ in seqs])
     seq, anchors = objective.sample_anchors(np.random.default_rng(0), [st for _, st in seqs],
                                             [len(s) for s, _ in seqs], 1000)
@@ -265,8 +265,6 @@ def warm_start_v2(v1):
 
 
 def test_train_cli(tiny, tmp_path):
-    from dflash2_mlx.cli.main import app
-
     root, *_ = tiny
     args = ["train", "--model", str(root / "target"), "--prompts", str(root / "prompts.jsonl"),
             "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"),
@@ -284,8 +282,6 @@ def test_train_cli(tiny, tmp_path):
 
 
 def test_feature_cache_is_bounded_resumable_and_exact(tiny, tmp_path):
-    from dflash2_mlx.train.features import FeatureCache, batch_features, target_features
-
     root, model, tok, records = tiny
     target = Target(model, [1, 2])
     seqs = [s for s, _ in data.sequences(records[:4])]

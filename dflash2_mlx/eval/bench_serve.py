@@ -33,6 +33,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+from ..builtin.bench_sets import default_bench_files
+from ..machine.identity import describe
+from .prompts import sample_prompts
+from .report import fmt, write_report as write_files
+
+# httpx (the clients) is imported where the clients run: it comes with the dev extra, not
+# with the package, and only this bench needs it.
+
 BATCHED, BASELINE = "batched", "one at a time"
 
 
@@ -166,8 +174,6 @@ def _batch_delta(before: dict, after: dict) -> dict:
 def prompt_pool(bench_files: Sequence, count: int, seed: int) -> List[str]:
     """``count`` distinct prompts drawn from the benchmark sets in turn (a set's prompts repeat
     only when there are too few of them all)."""
-    from .bench import sample_prompts
-
     per_set = max(1, math.ceil(count / max(1, len(bench_files))))
     sets = list(sample_prompts(bench_files, per_set, seed).values())
     pool = [p for group in itertools.zip_longest(*sets) for p in group if p is not None]
@@ -183,9 +189,6 @@ def run_serve_bench(*, model: Optional[str] = None, draft: Optional[str] = None,
                     block_size: Optional[int] = None, work_dir: Optional[Path] = None,
                     log: Callable[[str], None] = print) -> dict:
     """The whole benchmark (see the module docstring); the report as a dict."""
-    from ..machine.identity import describe
-    from .bench import default_bench_files
-
     streams = sorted(set(streams))
     if baseline_streams is None:
         baseline_streams = sorted({streams[0], streams[-1]})
@@ -274,8 +277,8 @@ def markdown(report: dict) -> str:
     if report["ratios"]:
         lines += ["", "Batched / one at a time:", ""]
         for q in report["ratios"]:
-            lines.append(f"- {q['streams']} stream(s): aggregate tok/s x{_x(q['aggregate_tps'])}, "
-                         f"p95 latency x{_x(q['latency_p95'])}, per-stream tok/s x{_x(q['per_stream_tps'])}")
+            lines.append(f"- {q['streams']} stream(s): aggregate tok/s x{fmt(q['aggregate_tps'])}, "
+                         f"p95 latency x{fmt(q['latency_p95'])}, per-stream tok/s x{fmt(q['per_stream_tps'])}")
     if report["parity_checked"]:
         bad = len(report["mismatches"])
         lines += ["", f"T=0 parity: {report['parity_checked'] - bad} of {report['parity_checked']} prompts "
@@ -283,14 +286,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
 def write_report(report: dict, out_dir) -> List[Path]:
     """bench-serve.json and bench-serve.md under ``out_dir``."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench-serve.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "bench-serve.md").write_text(markdown(report))
-    return [out_dir / "bench-serve.json", out_dir / "bench-serve.md"]
+    return write_files(out_dir, "bench-serve", report, markdown(report))

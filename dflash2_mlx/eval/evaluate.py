@@ -22,24 +22,21 @@ drafted: no copies, so the figures are the drafter's):
 line per drafter, so several drafters compare side by side.
 """
 
-import json
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import batch_generate
 
-from ..model.selector import pair_scores_reference, walk_reference
 from ..loop.target import Target, attach
+from ..model.selector import pair_scores_reference, walk_reference
 from ..train import objective
-from ..train.data import encode, read_prompts
+from ..train.data import encode
 from ..train.features import target_features
-
-
-def load_benches(paths: Sequence, limit: Optional[int] = None) -> Dict[str, list]:
-    """{file stem: prompts} for jsonl files of text or chat records."""
-    return {Path(p).stem: [p for _, p in read_prompts(p, limit)] for p in paths}
+from .report import fmt, plot_acceptance, position_table, pyplot, save_figure, table, write_report as write_files
+from .runs import RunTally, run_dflash
 
 
 def leading(hits: np.ndarray) -> np.ndarray:
@@ -65,8 +62,9 @@ def loop_anchors(lead: np.ndarray) -> np.ndarray:
     return np.array(out, np.int64)
 
 
-class Tally:
-    """Counts that add up across prompts and benchmarks."""
+class RecallTally:
+    """Offline counts (recall by position, the tau figures) that add up across prompts and
+    benchmarks."""
 
     def __init__(self, T: int):
         self.c = {k: np.zeros(T, np.int64) for k in ("r1_num", "r1_den", "rk_num", "rk_den")}
@@ -92,7 +90,7 @@ class Tally:
             self.s["loop"] += int(lead[visited].sum()) + len(visited)
             self.s["loop_blocks"] += len(visited)
 
-    def merge(self, other: "Tally"):
+    def merge(self, other: "RecallTally"):
         for k in self.c:
             self.c[k] += other.c[k]
         for k in self.s:
@@ -166,9 +164,6 @@ def offline_hits(target: Target, drafter, ids: List[int], start: int, block_size
 
 def greedy_responses(model, tokenizer, prompts, max_tokens: int, batch_size: int = 8):
     """(prompt ids + the target's greedy response, response start) per prompt."""
-    import importlib
-
-    batch_generate = importlib.import_module("mlx_lm.generate").batch_generate
     enc = [encode(tokenizer, p) for p in prompts]
     out = []
     for b in range(0, len(enc), batch_size):
@@ -178,49 +173,28 @@ def greedy_responses(model, tokenizer, prompts, max_tokens: int, batch_size: int
     return out
 
 
-class RunTally:
-    def __init__(self, T: int):
-        self.cycles = self.accepted = self.tokens = 0
-        self.seconds = 0.0
-        self.positions = np.zeros(T, np.int64)
-
-    def merge(self, o: "RunTally"):
-        self.cycles += o.cycles
-        self.accepted += o.accepted
-        self.tokens += o.tokens
-        self.seconds += o.seconds
-        self.positions += o.positions
-
-    def result(self) -> dict:
-        c = max(self.cycles, 1)
-        return {"tau": (self.accepted + self.cycles) / c if self.cycles else None,
-                "cycles": self.cycles, "tokens": self.tokens,
-                "tokens_per_s": self.tokens / self.seconds if self.seconds else None,
-                "acceptance_by_position": [float(x) / c for x in self.positions]}
-
-
 def real_runs(model, tokenizer, drafter, prompts, temp: float, block_size: int,
               max_tokens: int, seed: int = 0) -> RunTally:
-    """Draft-verify runs through the public ``stream_generate``."""
-    from ..generate import stream_generate
-
-    tally = RunTally(block_size - 1)
+    """Draft-verify runs through the public ``stream_generate``, every block drafted (no
+    copies: the drafter's own tau)."""
+    tally = RunTally()
     for i, prompt in enumerate(prompts):
-        last = None
         tic = time.perf_counter()
-        for last in stream_generate(model, tokenizer, encode(tokenizer, prompt), drafter,
-                                    max_tokens=max_tokens, temp=temp, block_size=block_size,
-                                    seed=seed + i, lookup=False):  # the drafter's own tau
-            pass
-        tally.seconds += time.perf_counter() - tic
-        if last is None:
-            continue
-        tally.tokens += last.generation_tokens
-        tally.cycles += last.cycles
-        counts = np.array(last.acceptance_counts[: block_size - 1], np.int64)
-        tally.accepted += int(counts.sum())
-        tally.positions[: len(counts)] += counts
+        run = run_dflash(model, tokenizer, drafter, encode(tokenizer, prompt), temp, max_tokens,
+                         block_size, seed + i, lookup=False)
+        run["seconds"] = time.perf_counter() - tic  # this report's tok/s counts the prefill too
+        tally.add(run)
     return tally
+
+
+def run_result(tally: RunTally, positions: int) -> dict:
+    """The real runs' figures at a fixed block size (``positions``: the block's drafts)."""
+    counts = (tally.positions + [0] * positions)[:positions]
+    c = max(tally.cycles, 1)
+    return {"tau": (sum(counts) + tally.cycles) / c if tally.cycles else None,
+            "cycles": tally.cycles, "tokens": tally.tokens,
+            "tokens_per_s": tally.tokens / tally.seconds if tally.seconds else None,
+            "acceptance_by_position": [float(x) / c for x in counts]}
 
 
 def evaluate(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, list], *,
@@ -242,10 +216,10 @@ def evaluate(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, l
         B = min(block_size or drafter.config.block_size, drafter.config.block_size)
         target = attach(model, drafter)
         entry = {"version": drafter.version, "block_size": B, "benches": {}}
-        total = Tally(B - 1)
-        runs_total = {t: RunTally(B - 1) for t in temps}
+        total = RecallTally(B - 1)
+        runs_total = {t: RunTally() for t in temps}
         for bench, prompts in benches.items():
-            tally = Tally(B - 1)
+            tally = RecallTally(B - 1)
             for i, (ids, start) in enumerate(sequences[bench]):
                 hits = offline_hits(target, drafter, ids, start, B, top_k, max_anchors, seed=seed + i)
                 tally.add(*hits, every_anchor=max_anchors is None)
@@ -256,11 +230,11 @@ def evaluate(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, l
                 say(f"[{name}] {bench}: real runs at T={t:g}")
                 rt = real_runs(model, tokenizer, drafter, prompts, t, B, max_tokens, seed)
                 runs_total[t].merge(rt)
-                res["runs"][f"T={t:g}"] = rt.result()
+                res["runs"][f"T={t:g}"] = run_result(rt, B - 1)
             entry["benches"][bench] = res
             say(f"[{name}] {bench}: " + summary_line(res))
         overall = total.result(drafter.version)
-        overall["runs"] = {f"T={t:g}": runs_total[t].result() for t in temps}
+        overall["runs"] = {f"T={t:g}": run_result(runs_total[t], B - 1) for t in temps}
         entry["overall"] = overall
         report["drafters"][name] = entry
     return report
@@ -269,61 +243,40 @@ def evaluate(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, l
 def summary_line(res: dict) -> str:
     runs = " ".join(f"tau({k}) {v['tau']:.2f}" for k, v in res["runs"].items() if v["tau"])
     return (f"{runs} oracle tau {res['tau_oracle']:.2f} top-1 tau {res['tau_top1']:.2f} "
-            f"R@1[1] {_fmt(res['recall_at_1'][0])} R@k[1] {_fmt(res['recall_at_k'][0])}")
-
-
-def _fmt(x, digits=3):
-    return "-" if x is None else f"{x:.{digits}f}"
+            f"R@1[1] {fmt(res['recall_at_1'][0], '.3f')} R@k[1] {fmt(res['recall_at_k'][0], '.3f')}")
 
 
 def markdown(report: dict) -> str:
+    """report.md: the acceptance-length table, recall and real-run acceptance by position."""
     k = report["config"]["top_k"]
     temps = [f"T={t:g}" for t in report["config"]["temps"]]
     lines = ["# Drafter evaluation", "",
              f"Prompts per benchmark: {report['config']['benches']}; "
              f"max tokens {report['config']['max_tokens']}; recall at k = {k}.", "",
-             "## Acceptance length", "",
-             "| drafter | benchmark | " + " | ".join(f"τ {t}" for t in temps)
-             + f" | oracle τ@{k} | top-1 τ | selector τ | loop τ | R@1 pos 1 | R@{k} pos 1 | blocks |",
-             "|---|---|" + "---|" * (len(temps) + 7)]
-    for name, d in report["drafters"].items():
-        rows = list(d["benches"].items()) + [("**overall**", d["overall"])]
-        for bench, r in rows:
-            taus = " | ".join(_fmt(r["runs"][t]["tau"], 2) for t in temps)
-            lines.append(f"| {name} | {bench} | {taus} | {r['tau_oracle']:.2f} | {r['tau_top1']:.2f} | "
-                         f"{_fmt(r.get('tau_selector'), 2)} | {_fmt(r.get('tau_loop'), 2)} | "
-                         f"{_fmt(r['recall_at_1'][0])} | "
-                         f"{_fmt(r['recall_at_k'][0])} | {r['blocks']} |")
+             "## Acceptance length", ""]
+    lines += table(["drafter", "benchmark", *(f"τ {t}" for t in temps), f"oracle τ@{k}", "top-1 τ",
+                    "selector τ", "loop τ", "R@1 pos 1", f"R@{k} pos 1", "blocks"],
+                   [[name, bench, *(fmt(r["runs"][t]["tau"]) for t in temps), f"{r['tau_oracle']:.2f}",
+                     f"{r['tau_top1']:.2f}", fmt(r.get("tau_selector")), fmt(r.get("tau_loop")),
+                     fmt(r["recall_at_1"][0], ".3f"), fmt(r["recall_at_k"][0], ".3f"), r["blocks"]]
+                    for name, d in report["drafters"].items()
+                    for bench, r in [*d["benches"].items(), ("**overall**", d["overall"])]])
+    overall = {name: d["overall"] for name, d in report["drafters"].items()}
     for title, key in (("Recall@1 by position (overall, conditioned on earlier positions)", "recall_at_1"),
                        (f"Recall@{k} by position (overall, conditioned on earlier positions)", "recall_at_k")):
-        lines += ["", f"## {title}", "", _position_table(report, lambda d: d["overall"][key])]
+        lines += ["", f"## {title}", "", position_table({n: o[key] for n, o in overall.items()})]
     for t in temps:
         lines += ["", f"## Acceptance rate by position ({t}, overall)", "",
-                  _position_table(report, lambda d: d["overall"]["runs"][t]["acceptance_by_position"])]
+                  position_table({n: o["runs"][t]["acceptance_by_position"] for n, o in overall.items()})]
     return "\n".join(lines) + "\n"
 
 
-def _position_table(report, get) -> str:
-    names = list(report["drafters"])
-    cols = {n: get(report["drafters"][n]) for n in names}
-    T = max(len(v) for v in cols.values())
-    rows = ["| position | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for t in range(T):
-        rows.append(f"| {t + 1} | " + " | ".join(_fmt(cols[n][t]) if t < len(cols[n]) else ""
-                                                  for n in names) + " |")
-    return "\n".join(rows)
-
-
 def plot(report: dict, out_dir) -> List[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """recall.png (Recall@1 and Recall@k by position) and acceptance.png."""
     out_dir = Path(out_dir)
     k = report["config"]["top_k"]
     temps = [f"T={t:g}" for t in report["config"]["temps"]]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4))
     for i, (name, d) in enumerate(report["drafters"].items()):
         color = f"C{i}"
         for key, style, label in (("recall_at_1", "-", "R@1"), ("recall_at_k", "--", f"R@{k}")):
@@ -335,46 +288,14 @@ def plot(report: dict, out_dir) -> List[Path]:
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths = [out_dir / "recall.png"]
-    fig.savefig(paths[0], dpi=100)
-    plt.close(fig)
-    curves = {t: [(f"{name} (τ {_fmt(d['overall']['runs'][t]['tau'], 2)})",
+    paths = [save_figure(fig, out_dir / "recall.png")]
+    curves = {t: [(f"{name} (τ {fmt(d['overall']['runs'][t]['tau'])})",
                    d["overall"]["runs"][t]["acceptance_by_position"])
                   for name, d in report["drafters"].items()] for t in temps}
     paths.append(plot_acceptance(curves, out_dir / "acceptance.png"))
     return paths
 
 
-def plot_acceptance(curves: dict, path) -> Path:
-    """One panel per temperature: acceptance rate by block position, a line per drafter.
-
-    curves: {"T=0": [(label, rates), ...], ...}; a label with no rates is left out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.8), squeeze=False)
-    for ax, (t, lines) in zip(axes[0], curves.items()):
-        for i, (label, ys) in enumerate(lines):
-            if ys:
-                ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, color=f"C{i}", label=label)
-        ax.set_title(f"acceptance by block position, {t}")
-        ax.set_xlabel("block position")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
-
-
 def write_report(report: dict, out_dir) -> List[Path]:
     """report.json, report.md, recall.png, acceptance.png under ``out_dir``."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "report.md").write_text(markdown(report))
-    return [out_dir / "report.json", out_dir / "report.md", *plot(report, out_dir)]
+    return write_files(out_dir, "report", report, markdown(report), plot)

@@ -30,7 +30,7 @@ def _ms(fn, n: int) -> float:
     return statistics.median(times) * 1e3
 
 
-class _Timed:
+class Timed:
     """A target or drafter whose calls finish before returning, timed in two phases: the
     lazy inputs queued before the call (``before``), then the pass itself (``phase``)."""
 
@@ -63,8 +63,8 @@ def timed_cycles(target, drafter, ids: mx.array, block_size: int, tokens: int,
     times = dict.fromkeys(("append", "drafter", "propose", "verify", "total"), 0.0)
     # The drafter's inputs are the context's pending append; the verify pass's are the
     # proposed tokens (the drafter's states are already computed by then).
-    t = _Timed(target, times, "propose", "verify", lambda ids, cache: ids)
-    d = _Timed(drafter, times, "append", "drafter", lambda ids, cache: _cache_states(cache))
+    t = Timed(target, times, "propose", "verify", lambda ids, cache: ids)
+    d = Timed(drafter, times, "append", "drafter", lambda ids, cache: _cache_states(cache))
     cycles = 0
     for _ in range(runs):
         context = DraftContext(d)

@@ -5,6 +5,7 @@
     objective.py  anchors, the block mask, batched block forward, weighted CE, selector CE
     init.py       new drafters sized from a target; DFlash 2 warm start from DFlash v1
     trainer.py    AdamW + warmup/cosine + clip + accumulation, checkpoints, resume
+    contamination.py  training prompts kept clear of the benchmark sets
 
 ``train_drafter`` runs the whole pipeline; ``dflash2-mlx train`` is its command line.
 """
@@ -13,20 +14,23 @@ import json
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import mlx_lm
+
+from ..eval.report import pyplot, save_figure
+from ..loop.target import model_args
+from ..model.checkpoint import load_drafter, resolve, validate_pair
+from . import data as data_mod
+from . import trainer
+from .init import default_mask_token_id, frequent_tokens, new_drafter, new_drafter_config, warm_start_v2
 from .trainer import TrainConfig, latest_checkpoint
 
 __all__ = ["TrainConfig", "train_drafter", "plot_history"]
 
 
-def plot_history(history, path):
+def plot_history(history, path) -> Path:
     """Loss curve(s) of a training history as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [h["step"] for h in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
     for key in ("loss", "ce", "selector_ce"):
         if history and key in history[0]:
             ax.plot(steps, [h[key] for h in history], label=key)
@@ -34,9 +38,7 @@ def plot_history(history, path):
     ax.set_ylabel("loss")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return save_figure(fig, path)
 
 
 def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[str] = None,
@@ -55,14 +57,6 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
     ``init``: a drafter checkpoint to start from (a v1 checkpoint with ``version=2`` is
     warm-started as DFlash 2); without it a new drafter is sized from the target.  An
     existing checkpoint under ``out_dir`` is resumed.  Returns ``out_dir / "final"``."""
-    import mlx_lm
-
-    from ..model.checkpoint import load_drafter, resolve, validate_pair
-    from ..loop.target import model_args
-    from . import data as data_mod
-    from . import trainer
-    from .init import (default_mask_token_id, frequent_tokens, new_drafter, new_drafter_config, warm_start_v2)
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     say = log or (lambda s: None)

@@ -5,11 +5,12 @@ to find the ..."), which is what the domain-shaped prompts are meant to share.""
 
 import re
 from functools import lru_cache
-from pathlib import Path
 from typing import FrozenSet
 
+from ..builtin.bench_sets import SHIPPED_BENCH_DIR as BENCH
+from .data import read_prompts
+
 N = 13
-BENCH = Path(__file__).resolve().parent.parent / "builtin" / "bench_data"
 
 
 def ngrams(text: str, n: int = N) -> set:
@@ -20,8 +21,6 @@ def ngrams(text: str, n: int = N) -> set:
 @lru_cache(maxsize=None)
 def benchmark_ngrams() -> FrozenSet[tuple]:
     """Every word 13-gram of the prompts of the shipped benchmark sets."""
-    from .data import read_prompts
-
     out = set()
     for path in sorted(BENCH.glob("*.jsonl")):
         for _, p in read_prompts(path):

@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple, Union
 
+from mlx_lm.generate import batch_generate
+from mlx_lm.sample_utils import make_sampler
+from tqdm import tqdm
+
 TEXT_FIELDS = ("prompt", "question", "problem", "instruction", "text", "input")
 
 Prompt = Union[str, List[dict]]
@@ -101,12 +105,6 @@ def generate_dataset(model, tokenizer, prompts_path, out_path, *, max_tokens: in
     """Regenerate responses with the target for every prompt not yet in ``out_path``.
 
     Returns the number of records in the dataset afterwards."""
-    import importlib
-
-    from mlx_lm.sample_utils import make_sampler
-    from tqdm import tqdm
-
-    batch_generate = importlib.import_module("mlx_lm.generate").batch_generate
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _repair(out_path)

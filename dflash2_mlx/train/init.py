@@ -17,14 +17,17 @@ From the target: a drafter is as wide as its target and its layers have the same
 (the last ones read the most contextual states) instead of from noise.
 """
 
+from collections import Counter
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..model.config import DrafterConfig, V1_ARCH, V2_ARCH, default_target_layer_ids
+from ..loop.target import model_args, text_model
+from ..model.checkpoint import dequantized_weight
 from ..model.drafter import Drafter
-from ..loop.target import model_args
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -105,8 +108,6 @@ def new_drafter(cfg: DrafterConfig, seed: int = 0,
 def frequent_tokens(records, n: int, vocab_size: int) -> list:
     """A draft vocabulary: the ``n`` token ids most frequent in the dataset's responses
     (then its prompts), topped up with the lowest ids (BPE ranks merges by frequency)."""
-    from collections import Counter
-
     counts = Counter()
     for r in records:
         counts.update(r["response_ids"])
@@ -142,18 +143,12 @@ LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 def _weight(module) -> mx.array:
     """A Linear's or norm's weight; a quantized Linear's dequantized."""
-    import mlx.nn as nn
-
-    from ..model.checkpoint import dequantized_weight
-
     return dequantized_weight(module) if isinstance(module, nn.QuantizedLinear) else module.weight
 
 
 def warm_start_from_target(drafter: Drafter, target_model, layer_ids: Sequence[int]) -> Drafter:
     """Copy target layer ``layer_ids[i]``'s attention, MLP and norm weights into drafter
     layer i (parts the target lacks, such as Qwen3's q/k norms on a Llama, keep their init)."""
-    from ..loop.target import text_model
-
     layers = text_model(target_model).layers
     if len(layer_ids) != len(drafter.layers):
         raise ValueError(f"{len(layer_ids)} target layers given for {len(drafter.layers)} drafter layers")

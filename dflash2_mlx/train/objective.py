@@ -230,7 +230,7 @@ def selector_rows(drafter, logits, hidden, labels, anchor_ids):
     come from the same ``pair_scores_reference`` the runtime twin uses."""
     sel = drafter.candidate_selector
     # The runtime's top_candidates (argpartition, then sort the k: a full-vocabulary
-    # argsort costs ~7x more on CPU), indices cut from the graph (no VJP w.r.t. indices).
+    # argsort is far slower on CPU), indices cut from the graph (no VJP w.r.t. indices).
     top = mx.stop_gradient(top_candidates(mx.stop_gradient(logits), sel.top_k)[0])
     unary = mx.take_along_axis(logits, top, axis=-1)
     cand = drafter.token_ids(top)

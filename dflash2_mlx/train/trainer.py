@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..model.drafter import Drafter
 from ..model.checkpoint import load_drafter, save_drafter
-from ..loop.target import Target, attach
+from ..loop.target import Target, attach, text_model
 from . import objective
 from .data import sequences
 from .features import FeatureCache, batch_features
@@ -118,8 +118,6 @@ def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig, c
     if cfg.distill:
         if c.target_layer_ids[-1] != len(target.layers) - 1:
             raise ValueError("distillation reads the target's last layer: make it the drafter's last tap")
-        from ..loop.target import text_model
-
         blocks.teacher = objective.teacher_logits(drafter, text_model(target.model).model.norm, blocks)
     return blocks
 

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
+# How does the DFlash 2 / v1 comparison change with the training budget (steps, depth)?
+#
 # The recipe's DFlash 2 / v1 comparison (train_smollm2_drafters.sh stage 4) at other budgets:
 # the same first 640 records, flags, seed and warm start (the target's layers 28 and 29);
 # only the number of steps differs (its learning-rate schedule with it). Then both side by
 # side on the five sets, into WORK_DIR/pair-budgets/eval-STEPS.
 #
-#   scripts/pair_at_budget.sh WORK_DIR STEPS...     (e.g. ~/.cache/dflash2-work 100)
+#   scripts/recipe/pair_at_budget.sh WORK_DIR STEPS...     (e.g. ~/.cache/dflash2-work 100)
 #
 # Needs the recipe's data.jsonl (its stage 2, or DATA_ONLY=1) in WORK_DIR. Resumes (features
-# written once, checkpoints every 25 steps). 100 steps: features of the 640 records ~12 min,
-# ~5 s a step for each drafter with the recipe sharing the CPU, the eval ~8 min.
+# written once, checkpoints every 25 steps; what it took when it ran: HISTORY.md).
 #
 # Other drafters than the recipe's:
 #   LAYERS=4       both drafters 4 layers deep, starting as the target's last four (26-29);
-#                  runs and reports carry -L4 (DFlash 2 at 500 steps: 4.8 s a step on a
-#                  quiet CPU, 41 min)
+#                  runs and reports carry -L4
 #   VERSIONS=2     only the DFlash 2 drafter (its report alone carries -v2)
 #   BLOCKS="5 8"   evaluated at these block sizes (default 5)
 set -euo pipefail
@@ -25,7 +25,7 @@ cd pair-budgets
 [[ -f data-first.jsonl ]] || head -n 640 ../data.jsonl > data-first.jsonl
 [[ -f features-first.safetensors ]] ||
     python "$T" features data-first.jsonl features-first.safetensors --max-len 448 --batch 8
-B="$HERE/../dflash2_mlx/builtin/bench_data"
+B="$HERE/../../dflash2_mlx/builtin/bench_data"
 BLOCKS=${BLOCKS:-5}
 LAYERS=${LAYERS:-2}
 VERSIONS=${VERSIONS:-2 1}

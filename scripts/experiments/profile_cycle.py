@@ -1,8 +1,10 @@
-"""Where a DFlash cycle's time goes on the built-in pair (SmolLM2-135M-Instruct + the
+"""Where does a DFlash cycle's time go on this machine?
+
+Where a DFlash cycle's time goes on the built-in pair (SmolLM2-135M-Instruct + the
 shipped DFlash 2 drafter): target passes over 1 and b rows, the drafter pass, propose,
 and the bookkeeping left in a real cycle (``dflash2_mlx.eval.profile.cycle_breakdown``).
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python scripts/profile_cycle.py [--draft DIR]
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python scripts/experiments/profile_cycle.py [--draft DIR]
 """
 
 import argparse

@@ -1,4 +1,6 @@
-"""Time to first token of a 3-turn chat through `dflash2-mlx serve`, with the prefix cache and
+"""How much does the prefix cache cut the time to first token of a multi-turn chat through the server?
+
+Time to first token of a 3-turn chat through `dflash2-mlx serve`, with the prefix cache and
 without it (--prefix-cache-gb 0), on the built-in pair unless --model/--draft are given.
 
 The chat opens with a long system message (worked GSM8K answers from the shipped prompt
@@ -6,7 +8,7 @@ set, about --context characters / 4 tokens with the first question); each reply 
 goes back into the history. Prints per turn: prompt tokens, cached tokens, time to first
 token, and the ratio to turn 1; then whether both servers wrote the same replies.
 
-    python scripts/chat_prefix_cache.py            # ~3,000-token chat on the built-in pair
+    python scripts/experiments/chat_prefix_cache.py            # ~3,000-token chat on the built-in pair
 """
 
 import argparse
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
+
 QUESTIONS = ["How many eggs does Janet sell each day? Answer in one sentence.",
              "Now explain the robe problem step by step.",
              "Which of the answers above was the largest number?"]
@@ -26,7 +30,7 @@ QUESTIONS = ["How many eggs does Janet sell each day? Answer in one sentence.",
 
 def worked_answers(tokens: int) -> str:
     """Worked GSM8K answers from the shipped prompt set, about ``tokens`` tokens of them."""
-    data = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "builtin" / "bench_data" / "gsm8k_test.jsonl"
+    data = SHIPPED_BENCH_DIR / "gsm8k_test.jsonl"
     parts, size = [], 0
     for line in data.read_text().splitlines():
         row = json.loads(line)

@@ -1,8 +1,10 @@
-"""Plain mlx-lm decoding against DFlash's own plain steps (block size 1, pipelined), adaptive
+"""Are DFlash's own plain steps (block size 1) as fast as plain mlx-lm decoding?
+
+Plain mlx-lm decoding against DFlash's own plain steps (block size 1, pipelined), adaptive
 and block 5, side by side on the built-in pair: 3 rounds of 128 tokens each.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python scripts/plain_vs_block1.py
+        python scripts/experiments/plain_vs_block1.py
 """
 
 import dflash2_mlx as d

@@ -1,10 +1,12 @@
-"""DFlash 2 at block 5 with a verify pass's products split over two CPU streams (the
-default where OpenBLAS is preloaded: ``dflash2_mlx/cpu_split.py``) against unsplit
+"""Does splitting a verify pass's products over two CPU streams make DFlash 2 faster?
+
+DFlash 2 at block 5 with a verify pass's products split over two CPU streams (the
+default where OpenBLAS is preloaded: ``dflash2_mlx/machine/cpu_split.py``) against unsplit
 (DFLASH2_MLX_CPU_SPLIT=0), alternating, on two prompts, plus plain decoding for scale:
 3 rounds of 128 tokens each.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python scripts/cpu_split_ab.py
+        python scripts/experiments/cpu_split_ab.py
 """
 
 import os

@@ -1,4 +1,6 @@
-"""Replay block-size policies offline on the built-in pair at T=0.
+"""Which block-size policy is fastest on the same prompts, without timing noise? An offline replay.
+
+Replay block-size policies offline on the built-in pair at T=0.
 
 At T=0 the text is the target's own whatever the block sizes, so one teacher-forced pass
 tells, for every position of each greedy response and every block size b, how many drafts
@@ -12,7 +14,7 @@ fixed bookkeeping cost per drafting cycle; the policy under test decides from it
 cost model, by default a fresh default calibration (what a user's first run measures).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python scripts/simulate_adaptive.py [--samples 2 --max-tokens 64] \
+        python scripts/experiments/simulate_adaptive.py [--samples 2 --max-tokens 64] \
         [--tables T.npz --truth C.json]   # written on the first run, read after
 """
 
@@ -24,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash2_mlx import adaptive, load
-from dflash2_mlx.eval.bench import default_bench_files, sample_prompts
+from dflash2_mlx.builtin.bench_sets import default_bench_files
+from dflash2_mlx.eval.prompts import sample_prompts
 from dflash2_mlx.eval.evaluate import greedy_responses, leading, offline_hits
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.train.features import target_features

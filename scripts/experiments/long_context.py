@@ -1,4 +1,6 @@
-"""τ and speed-up against prompt length on the built-in pair (SmolLM2-135M-Instruct + the
+"""How do tau and the speed-up change with the prompt's length (1k, 4k, 8k tokens)?
+
+τ and speed-up against prompt length on the built-in pair (SmolLM2-135M-Instruct + the
 shipped DFlash 2 drafter): plain mlx-lm decoding, DFlash 2 at a fixed block size, adaptive
 (block size auto) and adaptive with a draft context window, at T=0 on prompts of 1k, 4k and
 8k tokens (a summarization request over the shipped prompt sets' text).  Every DFlash
@@ -7,7 +9,7 @@ length and alternate over ``--reps`` runs after one shared prefill (the median i
 reported), so a busy machine slows them alike.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python scripts/long_context.py --out docs/long-context
+        python scripts/experiments/long_context.py --out docs/long-context
 """
 
 import argparse
@@ -18,7 +20,7 @@ import mlx.core as mx
 import mlx_lm
 
 from dflash2_mlx import load, stream_generate
-from dflash2_mlx.eval.bench import default_bench_files
+from dflash2_mlx.builtin.bench_sets import default_bench_files
 from dflash2_mlx.builtin.defaults import default_pair
 from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.cycle import prefill

@@ -1,8 +1,10 @@
-"""Plain decode steps at a long context: mlx-lm's generate_step against ours at block size 1
+"""Are DFlash's plain steps as fast as mlx-lm's at a long context?
+
+Plain decode steps at a long context: mlx-lm's generate_step against ours at block size 1
 (speculative_generate_step), after the same N-token prompt, 64 tokens each.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python scripts/plain_vs_block1_long.py 8160
+        python scripts/experiments/plain_vs_block1_long.py 8160
 """
 
 import sys

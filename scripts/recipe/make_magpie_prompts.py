@@ -1,8 +1,10 @@
-"""Training prompts written by the target itself (the Magpie recipe): the chat template up
+"""What requests does the target itself expect? Prompts it writes itself (the Magpie recipe).
+
+Training prompts written by the target itself (the Magpie recipe): the chat template up
 to the start of a user turn, sampled at T=1 until the turn ends.
 
-The domain-shaped prompts (make_domain_prompts.py) come from templates: on their own held-out
-prompts the drafter's position-1 Recall@1 is 0.60, on the five benchmark sets 0.45.  An
+The domain-shaped prompts (make_domain_prompts.py) come from templates: the drafter still
+does better on their own held-out prompts than on the five benchmark sets (HISTORY.md).  An
 instruction-tuned model asked for a user turn writes the kind of requests it was tuned on,
 with far more variety than templates.  Some turns start from a short opener (a word problem,
 a math question, a coding task, a Python stub) so that the five forms stay in the mix; the
@@ -13,12 +15,20 @@ and shares no 13 consecutive words with any prompt of the five benchmark sets
 (``dflash2_mlx.train.contamination``).  Groups of ``--batch`` turns are appended as they
 finish, each from its own seed: a rerun resumes after the last complete group.
 
-    python scripts/make_magpie_prompts.py OUT.jsonl [--n 1024] [--seed 1] [--batch 64]
+    python scripts/recipe/make_magpie_prompts.py OUT.jsonl [--n 1024] [--seed 1] [--batch 64]
 """
 
 import argparse
 import json
 from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import batch_generate
+from mlx_lm.sample_utils import make_sampler
+from tqdm import tqdm
+
+from dflash2_mlx import load
+from dflash2_mlx.train.contamination import contaminated
 
 OPENERS = [
     [""],  # free: chat, writing, advice, knowledge (MT-Bench's form)
@@ -38,15 +48,6 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--model", default=None, help="target (default: the built-in SmolLM2)")
     args = ap.parse_args()
-
-    import mlx.core as mx
-    from mlx_lm.generate import batch_generate
-    from mlx_lm.sample_utils import make_sampler
-    from tqdm import tqdm
-
-    from dflash2_mlx import load
-    from dflash2_mlx.train.contamination import contaminated
-
     model, tok, _ = load(args.model)
     marker = "\x00"
     turn = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)

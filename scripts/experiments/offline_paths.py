@@ -1,4 +1,6 @@
-"""How other ways of choosing a DFlash 2 draft path would fare, offline at T=0.
+"""Would another way of choosing the draft path (Viterbi, best of n walks) accept more, and at what price?
+
+How other ways of choosing a DFlash 2 draft path would fare, offline at T=0.
 
 Teacher-forced on the target's own greedy responses (as ``dflash2-mlx eval`` does), every
 full block of each response is drafted once and scored four ways: the greedy selector walk
@@ -7,22 +9,22 @@ n walks that start from position 1's n best candidates (what verifying n paths i
 target pass would accept), and the oracle over the top-16 candidates. Then it times a target pass over one path's rows against
 one over n paths' (a batch of n copies of a 150-token cache): the price of verifying them.
 
-    python scripts/offline_paths.py --limit 4 --block-size 5
+    python scripts/experiments/offline_paths.py --limit 4 --block-size 5
 """
 
 import argparse
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
-from dflash2_mlx.eval.evaluate import drafted_blocks, greedy_responses, leading, load_benches
+from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
+from dflash2_mlx.eval.evaluate import drafted_blocks, greedy_responses, leading
+from dflash2_mlx.eval.prompts import load_benches
 from dflash2_mlx.generate import load
-from dflash2_mlx.model.selector import walk_reference
 from dflash2_mlx.loop.target import attach
-
-SETS = Path(__file__).resolve().parents[1] / "dflash2_mlx" / "builtin" / "bench_data"
+from dflash2_mlx.model.selector import walk_reference
 
 
 def walk_from(scores, first):
@@ -49,8 +51,6 @@ def viterbi(scores):
 
 def pass_ms(model, paths: int, rows: int, reps: int = 20) -> float:
     """Median-ish time of one target pass over ``paths`` x ``rows`` after a 150-token prefix."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     times = []
     for _ in range(reps):
         cache = make_prompt_cache(model)
@@ -77,7 +77,7 @@ def main():
         raise SystemExit("a DFlash 2 drafter is needed: the paths come from its selector")
     target, sel, B = attach(model, drafter), drafter.candidate_selector, args.block_size
     totals, blocks = {}, 0
-    for bench, prompts in load_benches(sorted(SETS.glob("*.jsonl")), args.limit).items():
+    for bench, prompts in load_benches(sorted(SHIPPED_BENCH_DIR.glob("*.jsonl")), args.limit).items():
         for i, (ids, start) in enumerate(greedy_responses(model, tok, prompts, args.max_tokens)):
             for labels, cand, scores in drafted_blocks(target, drafter, ids, start, B, sel.top_k, seed=i):
                 right = lambda path: leading(np.array(

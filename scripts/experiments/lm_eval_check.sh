@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Does lm-eval run against `dflash2-mlx serve`, by loglikelihood and by generation?
+#
 # lm-eval against a running `dflash2-mlx serve`, on tasks made from the first N GSM8K questions
 # that ship with the package; lm-eval's local-completions model finds the server's
 # /tokenizer_info and /tokenize routes by itself (no tokenizer to install):
@@ -9,7 +11,7 @@
 #
 #   pip install "lm-eval[api]"          (in the same or any other environment)
 #   dflash2-mlx serve --port 8000 &
-#   scripts/lm_eval_check.sh [BASE_URL] [N] [TASKS] [lm_eval options...]
+#   scripts/experiments/lm_eval_check.sh [BASE_URL] [N] [TASKS] [lm_eval options...]
 #       (defaults: http://127.0.0.1:8000, 40, gsm8k_choice; TASKS: comma-separated)
 set -euo pipefail
 BASE=${1:-http://127.0.0.1:8000}
@@ -19,7 +21,7 @@ shift $(( $# < 3 ? $# : 3 ))
 HERE=$(cd "$(dirname "$0")" && pwd)
 TASK=$(mktemp -d)
 trap 'rm -rf "$TASK"' EXIT
-python3 - "$HERE/../dflash2_mlx/builtin/bench_data/gsm8k_test.jsonl" "$TASK" "$N" <<'PY'
+python3 - "$HERE/../../dflash2_mlx/builtin/bench_data/gsm8k_test.jsonl" "$TASK" "$N" <<'PY'
 import json, random, sys
 
 src, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3])

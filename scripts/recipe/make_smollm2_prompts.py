@@ -1,4 +1,6 @@
-"""Training prompts for the shipped SmolLM2 drafters, built from text on this machine.
+"""What did the drafters first train on? Prompts made from text on this machine, none from the benchmarks.
+
+Training prompts for the shipped SmolLM2 drafters, built from text on this machine.
 
 Nothing comes from the benchmark sets (GSM8K, MATH-500, HumanEval, MBPP, MT-Bench):
 - docstrings of the CPython standard library (explain / summarize / use-it-in-code),
@@ -7,7 +9,7 @@ Nothing comes from the benchmark sets (GSM8K, MATH-500, HumanEval, MBPP, MT-Benc
 - short writing tasks over a fixed list of everyday topics.
 The four kinds are interleaved, so any prefix of the file is a balanced mix.
 
-    python scripts/make_smollm2_prompts.py OUT.jsonl [--n 2000] [--seed 0]
+    python scripts/recipe/make_smollm2_prompts.py OUT.jsonl [--n 2000] [--seed 0]
 """
 
 import argparse

@@ -1,7 +1,9 @@
-"""A drafter that is never right, for the adaptive benchmark: the shipped DFlash 2 drafter's
+"""Does adaptive decoding fall back to plain speed when the drafter is never right? The drafter for that bench.
+
+A drafter that is never right, for the adaptive benchmark: the shipped DFlash 2 drafter's
 config (same shapes, same cost) with random weights, 8-bit like the shipped one.
 
-    python scripts/random_drafter.py /tmp/random-drafter
+    python scripts/experiments/random_drafter.py /tmp/random-drafter
     dflash2-mlx bench --model ~/.cache/dflash2_mlx/SmolLM2-135M-Instruct \\
         --drafter-v2 /tmp/random-drafter --no-v1 --samples 1 --temp 0
 """

@@ -1,3 +1,6 @@
+# What do the recipe's scripts share? Their setup and one training phase of the shipped DFlash
+# 2 drafter.
+#
 # Sourced by train_smollm2_drafters.sh and train_v1_twin.sh once WORK is set: OpenBLAS
 # preloaded (Linux), the work directory made and entered, and one training phase of the
 # shipped drafter, so that the v1 twin trains exactly as the shipped DFlash 2 drafter did.

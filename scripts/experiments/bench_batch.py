@@ -1,4 +1,6 @@
-"""Batched DFlash on the built-in pair (SmolLM2-135M-Instruct + the shipped DFlash 2
+"""How much throughput does batched DFlash add for 1, 2, 4, 8 concurrent streams, and does it keep T=0 parity?
+
+Batched DFlash on the built-in pair (SmolLM2-135M-Instruct + the shipped DFlash 2
 drafter): aggregate tokens/s for 1, 2, 4, 8 concurrent streams.
 
 All streams start together (prefilled in one batch) and run to ``--max-tokens`` (or their
@@ -12,7 +14,7 @@ server do) unless ``--no-copies``.  At T=0 every stream's tokens must equal its 
 tokens (``mismatch`` counts the streams that differ).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python scripts/bench_batch.py --max-tokens 64 --block-sizes 1,4,auto
+        python scripts/experiments/bench_batch.py --max-tokens 64 --block-sizes 1,4,auto
 """
 
 import argparse
@@ -25,18 +27,15 @@ import numpy as np
 
 from dflash2_mlx import adaptive, load
 from dflash2_mlx.batch import BatchGenerator
+from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import attach
-
-DATA = Path(__file__).resolve().parent.parent / "dflash2_mlx" / "builtin" / "bench_data"
-
+from dflash2_mlx.train.data import encode, read_prompts
 
 def prompts(tokenizer, n: int):
     """``n`` chat prompts, alternating GSM8K and HumanEval (first records of each)."""
-    from dflash2_mlx.train.data import encode, read_prompts
-
     files = ("gsm8k_test.jsonl", "humaneval.jsonl")
-    pools = [[q for _, q in read_prompts(DATA / f, limit=n)] for f in files]
+    pools = [[q for _, q in read_prompts(SHIPPED_BENCH_DIR / f, limit=n)] for f in files]
     return [encode(tokenizer, pools[i % 2][i // 2]) for i in range(n)]
 
 

@@ -1,4 +1,6 @@
-"""How far copies (``lookup.py``) and the drafter's selector walk are accepted, offline.
+"""How deep are copies and the drafter's walk accepted, offline, and what would verifying both add?
+
+How far copies (``loop/lookup.py``) and the drafter's selector walk are accepted, offline.
 
 Teacher-forced on the target's greedy responses to benchmark prompts: at every position of
 a response with a full block after it, the drafter's greedy walk (as ``dflash2-mlx eval``
@@ -8,7 +10,7 @@ on offer, the mean accepted depth of copy and walk there, and tau with the walk 
 against copying where a copy is on offer and drafting elsewhere, and against verifying
 both wherever a copy is on offer (a two-branch tree: an upper bound on what that would add).
 
-    python scripts/copies_offline.py --first 3 --last 8 --max-tokens 128 --block-size 5
+    python scripts/experiments/copies_offline.py --first 3 --last 8 --max-tokens 128 --block-size 5
 """
 
 import argparse
@@ -16,9 +18,10 @@ import argparse
 import mlx_lm
 import numpy as np
 
-from dflash2_mlx.eval.bench import default_bench_files
+from dflash2_mlx.builtin.bench_sets import default_bench_files
 from dflash2_mlx.builtin.defaults import drafter_path
-from dflash2_mlx.eval.evaluate import greedy_responses, leading, load_benches, offline_hits
+from dflash2_mlx.eval.evaluate import greedy_responses, leading, offline_hits
+from dflash2_mlx.eval.prompts import load_benches
 from dflash2_mlx.model.checkpoint import load_drafter
 from dflash2_mlx.loop.lookup import MIN_N, Lookup
 from dflash2_mlx.builtin.smollm2 import default_target_path

@@ -1,4 +1,6 @@
-"""Time to first token of a long prompt on the built-in pair (DFlash on, in-process engine):
+"""How fast is a long prompt's first token cold, from the prefix cache's memory, and from its disk after a restart?
+
+Time to first token of a long prompt on the built-in pair (DFlash on, in-process engine):
 cold, from the prefix cache's memory tier, and from its disk tier after the engine restarts
 (dflash_ssd_cache; a fresh temporary directory each run).
 
@@ -6,7 +8,7 @@ The prompts are worked GSM8K answers from the shipped prompt set (about --tokens
 then a question that differs each time, so every start reuses all but the question.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python scripts/ssd_cache_restart.py --tokens 1000,2500
+        python scripts/experiments/ssd_cache_restart.py --tokens 1000,2500
 """
 
 import argparse
@@ -15,10 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from chat_prefix_cache import worked_answers  # scripts/, beside this one
 from dflash2_mlx.backend.engine import Engine
 from dflash2_mlx.backend.settings import ModelSettings
 from dflash2_mlx.builtin.defaults import default_pair
+
+if __package__:  # imported as scripts.experiments.ssd_cache_restart
+    from .chat_prefix_cache import worked_answers
+else:  # run as python scripts/experiments/ssd_cache_restart.py: its folder is on sys.path
+    from chat_prefix_cache import worked_answers
 
 
 async def first_token(engine, prompt):

