@@ -6,6 +6,11 @@ from typing import List, Optional
 
 import typer
 
+from .serve import BUILTIN_ID, builtin_settings
+
+# The commands import MLX and the package's modules when they run, so that
+# `dflash2-mlx --help` stays fast.
+
 models_app = typer.Typer(help="List, show and set per-model settings (oMLX's model_settings.json).",
                          no_args_is_help=True)
 
@@ -31,8 +36,6 @@ def _fail(e: Exception):
 def _effective(model_id: str, raw: dict):
     """A model's settings as `serve` runs it (the built-in model comes with its drafter)."""
     from dflash2_mlx.backend.settings import ModelSettings
-
-    from .serve import BUILTIN_ID, builtin_settings
 
     return ModelSettings.from_dict({**raw, **(builtin_settings() if model_id == BUILTIN_ID else {})}, model_id)
 
@@ -62,8 +65,6 @@ def list_models(
     the alias the API shows and "default" where set."""
     from dflash2_mlx.backend.settings import SettingsError
 
-    from .serve import BUILTIN_ID
-
     store = _store(settings)
     try:
         entries = store.read()["models"]
@@ -86,8 +87,6 @@ def list_models(
 def show(model_id: str = typer.Argument(..., help="Model id."), settings: Optional[Path] = SETTINGS_OPTION):
     """Print one model's settings as JSON, and under "engine" how `serve` decodes it."""
     from dflash2_mlx.backend.settings import SettingsError
-
-    from .serve import BUILTIN_ID
 
     try:
         entries = _store(settings).read()["models"]

@@ -5,6 +5,9 @@ from typing import List, Optional
 
 import typer
 
+# The commands import MLX and the package's modules when they run, so that
+# `dflash2-mlx --help` stays fast.
+
 BUILTIN_ID = "SmolLM2-135M-Instruct"
 API_KEY_ENV = "DFLASH2_MLX_API_KEY"
 

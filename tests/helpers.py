@@ -2,14 +2,25 @@
 for sampling, plain / DFlash token runs, and a cache's state as arrays.  (The tiny models
 themselves are in ``tiny_models.py``, which is also a script.)"""
 
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
+from openai import OpenAI
 from scipy import stats as sstats
 
+from dflash2_mlx.generate import load, stream_generate
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.target import attach
+from tiny_models import byte_chars
 
 
 def ref_probs(logits, history, temp, top_p=1.0, top_k=0, min_p=0.0, rep=None, xtc=None):
@@ -118,3 +129,91 @@ def cache_arrays(cache):
         else:
             out += [np.array(a) for a in c.cache]
     return out
+
+
+# Server harness ------------------------------------------------------------------------
+# `dflash2-mlx serve` as a real process on loopback (test_server, test_batch_server).
+
+NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: keeps long generations going
+CHAT = [{"role": "user", "content": "say hi"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command():
+    script = Path(sys.executable).with_name("dflash2-mlx")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dflash2_mlx.cli.main"]
+
+
+def start_server(root: Path, args, env=None):
+    """`serve ARGS` on a free loopback port, its output in root/server.log; (process, base)."""
+    port = free_port()
+    with open(root / "server.log", "w") as log:
+        proc = subprocess.Popen(serve_command() + ["serve", "--port", str(port), *map(str, args)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        assert proc.poll() is None, (root / "server.log").read_text()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.2)
+
+
+def stop_server(proc):
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def metrics(server) -> dict:
+    return httpx.get(server["base"] + "/metrics").json()
+
+
+def wait_idle(server, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = metrics(server)
+        if not m["active_requests"]:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"generation did not stop: {m}")
+
+
+def greedy_ids(target, messages, n: int):
+    """The first ``n`` token ids of the greedy reply of ``target`` to ``messages``, and its
+    tokenizer (run on the MLX worker thread)."""
+    model, tokenizer, _ = load(str(target))
+    return [r.token for r in stream_generate(model, tokenizer, messages, max_tokens=n)], tokenizer
+
+
+def cut_inside_an_emoji(ids, tokenizer) -> int:
+    """The first max_tokens that ends on an emoji's lead piece after some clean text; 0 if none."""
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    for k in range(2, len(ids)):
+        clean = tokenizer.decode(ids[: k - 1])
+        if pieces[k - 1].startswith(byte_chars()[0xF0]) and "\ufffd" not in clean:
+            return k
+    return 0
+
+
+def all_four_replies(base: str, max_tokens: int) -> list:
+    """Chat and completion replies to the same prompt ids, each non-streaming and streaming."""
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = dict(model="emoji", messages=CHAT, max_tokens=max_tokens)
+    plain = dict(model="emoji", prompt="u:say hi.a:", max_tokens=max_tokens)  # the chat's rendered text
+    return [client.chat.completions.create(**chat).choices[0].message.content,
+            "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)),
+            client.completions.create(**plain).choices[0].text,
+            "".join(c.choices[0].text for c in client.completions.create(**plain, stream=True))]

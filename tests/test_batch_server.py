@@ -6,15 +6,19 @@ metadata stay as they are one request at a time."""
 
 import asyncio
 import json
+import subprocess
 import threading
 
 import httpx
 import pytest
+from mlx_lm.sample_utils import make_logits_processors
 from openai import OpenAI
 
 from dflash2_mlx.backend.settings import SettingsStore
-from test_server import (CHAT, NO_EOS, all_four_replies, cut_inside_an_emoji, greedy_ids, metrics,
-                         start_server, stop_server, wait_idle)
+from dflash2_mlx.eval.bench_serve import BASELINE, BATCHED, markdown, percentile, ratios, summarize
+from dflash2_mlx.generate import load, stream_generate
+from helpers import (CHAT, NO_EOS, all_four_replies, cut_inside_an_emoji, greedy_ids, metrics, serve_command,
+                     start_server, stop_server, wait_idle)
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 MAX_BATCH = 4
@@ -52,8 +56,6 @@ def client(server):
 def accepting_drafter(path, target):
     """A random drafter that is right now and then (a drafter that never is would leave
     every sequence's acceptance untested), as tests/test_batch.py picks one."""
-    from dflash2_mlx.generate import load, stream_generate
-
     for seed in range(10, 60):
         make_drafter(path, target, seed=seed)
         model, tokenizer, drafter = load(str(target), str(path))
@@ -67,8 +69,6 @@ def accepting_drafter(path, target):
 
 
 def bias(logit_bias):
-    from mlx_lm.sample_utils import make_logits_processors
-
     return make_logits_processors(logit_bias={int(k): v for k, v in logit_bias.items()})
 
 
@@ -285,8 +285,6 @@ def test_emoji_cut_by_max_tokens_in_a_batch(tmp_path):
 def test_bench_serve_rows_and_ratios():
     """The `bench serve` table from request records: aggregate over the row's wall time,
     per-stream speed after the first token, τ weighted by cycles, latency percentiles."""
-    from dflash2_mlx.eval.bench_serve import BASELINE, BATCHED, markdown, percentile, ratios, summarize
-
     assert percentile([4, 1, 3, 2], 50) == 2.5 and percentile([1, 2, 3, 4, 5], 95) == pytest.approx(4.8)
     recs = [dict(sent=0.0, first=0.5, end=2.5, tokens=21, tau=2.0, cycles=10),
             dict(sent=1.0, first=1.5, end=4.0, tokens=11, tau=1.0, cycles=10)]
@@ -310,10 +308,6 @@ def test_bench_serve_rows_and_ratios():
 def test_bench_serve_runs_both_servers(tmp_path):
     """`dflash2-mlx bench serve` end to end on the tiny pair: both servers, every row, the
     report files, and at T=0 the same replies from both."""
-    import subprocess
-
-    from test_server import serve_command
-
     on_worker(make_target, tmp_path / "target")
     on_worker(make_drafter, tmp_path / "drafter", tmp_path / "target")
     out = tmp_path / "out"

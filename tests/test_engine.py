@@ -5,12 +5,15 @@ import json
 
 import mlx.core as mx
 import pytest
+from mlx_lm.sample_utils import make_logits_processors
 
 from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.backend.engine import Engine, EngineError, InvalidOption, PromptTooLong, QueueFull
 from dflash2_mlx.backend.pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
 from dflash2_mlx.backend.settings import ModelSettings, SettingsError, SettingsStore
 from dflash2_mlx.backend.stops import StopMatcher
+from dflash2_mlx.loop.sampling import xtc_special_tokens
+from dflash2_mlx.loop.scoring import prompt_logprobs
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 NO_EOS = {1: -100.0}  # the tiny tokenizer's <eos>: keeps long generations going
@@ -102,10 +105,6 @@ def test_sampling_follows_seed(engine, reference):
 def test_xtc_options_reach_the_sampler(engine, reference):
     """min_tokens_to_keep / xtc_* as mlx-lm's server takes them: XTC sparing "\n" and EOS; a
     value mlx-lm refuses is refused when the request is made, naming the option."""
-    from mlx_lm.sample_utils import make_logits_processors
-
-    from dflash2_mlx.loop.sampling import xtc_special_tokens
-
     opts = dict(temperature=1.0, seed=7, min_p=0.05, min_tokens_to_keep=2, xtc_probability=0.9,
                 xtc_threshold=0.05, logit_bias=NO_EOS)
     got = run(engine.generate("hello world", max_tokens=16, **opts))
@@ -140,7 +139,7 @@ def test_logprobs_are_the_targets_own(engine):
     tok = engine.tokenizer
     ids = tok.encode("hello world")
     tokens = [tok.encode(e["token"], add_special_tokens=False)[0] for e in got.logprobs]
-    rows = on_worker(lambda: target_logprobs(engine._model, ids, tokens, NO_EOS).tolist())
+    rows = on_worker(lambda: target_logprobs(engine.model, ids, tokens, NO_EOS).tolist())
     for e, t, row in zip(got.logprobs, tokens, rows):
         assert abs(e["logprob"] - row[t]) < 1e-3 and e["bytes"] == list(e["token"].encode())
         best = sorted(range(len(row)), key=lambda i: -row[i])[:3]
@@ -167,8 +166,6 @@ def test_prompt_logprobs_score_the_prompt(engine):
     """prompt_logprobs: each prompt token's log-probability and alternatives from the
     target's own teacher-forced rows (in chunks or not), in the first chunk; max_tokens=0
     scores without generating; a completion keeps its stop token's entry, a chat not."""
-    from dflash2_mlx.loop.scoring import prompt_logprobs
-
     tok = engine.tokenizer
     ids = tok.encode("hello world, how are you today")
     got = run(engine.generate(ids, max_tokens=0, prompt_logprobs=2))
@@ -176,14 +173,14 @@ def test_prompt_logprobs_score_the_prompt(engine):
     entries = got.prompt_logprobs
     assert len(entries) == len(ids) and entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
     assert [e["token"] for e in entries] == [tok.decode([t]) for t in ids]
-    rows = on_worker(lambda: target_logprobs(engine._model, ids[:1], ids[1:], {}).tolist())
+    rows = on_worker(lambda: target_logprobs(engine.model, ids[:1], ids[1:], {}).tolist())
     for e, t, row in zip(entries[1:], ids[1:], rows):
         assert abs(e["logprob"] - row[t]) < 1e-4
         best = sorted(range(len(row)), key=lambda i: -row[i])[:2]
         assert [a["token"] for a in e["top_logprobs"]] == [tok.decode([i]) for i in best]
         assert all(abs(a["logprob"] - row[i]) < 1e-4 for a, i in zip(e["top_logprobs"], best))
-    whole, chunked = on_worker(lambda: (prompt_logprobs(engine._model, ids, 2),
-                                        prompt_logprobs(engine._model, ids, 2, chunk=3)))
+    whole, chunked = on_worker(lambda: (prompt_logprobs(engine.model, ids, 2),
+                                        prompt_logprobs(engine.model, ids, 2, chunk=3)))
     assert max(abs(a - b) for a, b in zip(whole[0], chunked[0])) < 1e-4
     assert [[i for i, _ in t] for t in whole[1]] == [[i for i, _ in t] for t in chunked[1]]
 
@@ -214,8 +211,6 @@ def test_prompt_logprobs_score_the_prompt(engine):
 def test_model_penalties_are_defaults_a_request_overrides(models, reference):
     """model_settings.json's repetition_penalty / presence_penalty (oMLX's fields) apply to
     requests that send none; a request's own wins (1.0 / 0.0: none at all)."""
-    from mlx_lm.sample_utils import make_logits_processors
-
     _, target, drafter = models
     e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter),
                                      repetition_penalty=1.5, presence_penalty=0.5), model_id="tiny")
@@ -547,8 +542,6 @@ def test_concurrent_requests_share_the_batch_and_each_keeps_its_text(models, ref
 
 
 def _bias(bias):
-    from mlx_lm.sample_utils import make_logits_processors
-
     return make_logits_processors(logit_bias=bias) if bias else None
 
 

@@ -4,9 +4,13 @@ DFlash on (fixed and adaptive blocks) and off; memory stays within the budget.""
 
 import asyncio
 
+import mlx.core as mx
 import pytest
+from mlx_lm import load
+from mlx_lm.sample_utils import make_logits_processors
 
 from dflash2_mlx.backend.engine import Engine
+from dflash2_mlx.backend.prefix_cache import PrefixCache
 from dflash2_mlx.backend.settings import ModelSettings
 from tiny_models import make_target, on_worker
 
@@ -68,8 +72,6 @@ def test_chat_turns_reuse_the_cache_and_match_generate(cache_pair, kind):
 
 
 def _bias(bias):
-    from mlx_lm.sample_utils import make_logits_processors
-
     return {"logits_processors": make_logits_processors(logit_bias=bias)}
 
 
@@ -110,11 +112,6 @@ def test_hybrid_turn_end_is_the_last_step_with_only_known_tokens(tmp_path):
     accepted, not emitted). The end-of-turn entry is then the recurrent state of the latest
     step that held only known tokens: a prompt continuing the reply, started from it, gets
     the logits of a full prefill."""
-    import mlx.core as mx
-    from mlx_lm import load
-
-    from dflash2_mlx.backend.prefix_cache import PrefixCache
-
     target = on_worker(make_target, tmp_path / "t", "qwen3_5", scale=4.0)
 
     def run():
@@ -165,8 +162,6 @@ def test_a_lone_request_runs_as_a_single_stream_and_hands_over_when_others_come(
         stats = e.get_stats()
     finally:
         asyncio.run(e.stop())
-    from mlx_lm.sample_utils import make_logits_processors
-
     bias = make_logits_processors(logit_bias=NO_EOS)
     assert solo_steps == 0 and alone.text == reference("hello world", max_tokens=12, logits_processors=bias)
     assert stats["peak_batch_size"] == 2  # the first request went on in the batch

@@ -4,65 +4,27 @@ and raw HTTP: parity with generate(), parameters, errors, disconnects, queueing.
 import asyncio
 import contextlib
 import json
-import signal
-import socket
+import os
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import pytest
+from mlx_lm import load
+from mlx_lm.sample_utils import make_logits_processors
 from openai import OpenAI
 
 from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.backend.settings import SettingsStore
-from tiny_models import byte_chars, make_drafter, make_target, on_worker, worker_reference
+from dflash2_mlx.loop.sampling import xtc_special_tokens
+from helpers import (CHAT, NO_EOS, all_four_replies, cut_inside_an_emoji, free_port, greedy_ids, metrics,
+                     serve_command, start_server, stop_server, wait_idle)
+from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
-NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: keeps long generations going
-CHAT = [{"role": "user", "content": "say hi"}]
 WINDOW = 6000  # the tiny model's context window in these tests
 MAX_BATCH = 2  # requests the server runs at once (batched); more wait in its queue of 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_command():
-    script = Path(sys.executable).with_name("dflash2-mlx")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "dflash2_mlx.cli.main"]
-
-
-def start_server(root: Path, args, env=None):
-    """`serve ARGS` on a free loopback port, its output in root/server.log; (process, base)."""
-    port = free_port()
-    with open(root / "server.log", "w") as log:
-        proc = subprocess.Popen(serve_command() + ["serve", "--port", str(port), *map(str, args)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while True:
-        assert proc.poll() is None, (root / "server.log").read_text()
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.2)
-
-
-def stop_server(proc):
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +50,6 @@ def reference(server):
 @pytest.fixture(scope="module")
 def client(server):
     return OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def metrics(server) -> dict:
-    return httpx.get(server["base"] + "/metrics").json()
 
 
 def loaded_stats(server) -> dict:
@@ -170,11 +128,6 @@ def test_completions_equal_generate(client, reference):
 
 
 def test_sampling_parameters_are_honoured(server, client, reference):
-    from mlx_lm import load as lm_load
-    from mlx_lm.sample_utils import make_logits_processors
-
-    from dflash2_mlx.loop.sampling import xtc_special_tokens
-
     def chat(**kw):
         return client.chat.completions.create(model="tiny", messages=CHAT, **kw).choices[0]
 
@@ -185,7 +138,7 @@ def test_sampling_parameters_are_honoured(server, client, reference):
     # mlx-lm's server options beyond OpenAI's: min_tokens_to_keep and XTC (sparing "\n" and EOS).
     xtc = dict(min_p=0.05, min_tokens_to_keep=2, xtc_probability=0.9, xtc_threshold=0.05)
     got = chat(max_tokens=16, temperature=1.0, seed=7, logit_bias={"1": -100}, extra_body=xtc)
-    special = xtc_special_tokens(lm_load(str(server["target"]))[1])
+    special = xtc_special_tokens(load(str(server["target"]))[1])
     ref = dict(max_tokens=16, temp=1.0, seed=7, xtc_special_tokens=special,
                logits_processors=make_logits_processors(logit_bias={1: -100.0}))
     assert got.message.content == reference(CHAT, **ref, **xtc)
@@ -274,8 +227,6 @@ def test_echo_scores_prompts_as_lm_eval_asks(server):
     prompts, echo, logprobs 1, max_tokens 1, temperature 0) read the way lm-eval reads it
     (token_logprobs[ctxlen:-1]; greedy where each equals its top): the target's own
     teacher-forced figures, a choice per prompt; then text prompts, streaming, max_tokens 0."""
-    from mlx_lm import load
-
     model, tok = on_worker(load, str(server["target"]))
     prompts = [tok.encode("hello world how are"), tok.encode("say hi to me")]
     ctxlens = [3, 2]  # context tokens; the rest is the continuation scored
@@ -327,8 +278,6 @@ def test_echo_scores_prompts_as_lm_eval_asks(server):
 def test_tokenizer_routes_as_vllm_serves_them(server):
     """vLLM's /tokenizer_info, /tokenize (text or chat messages) and /detokenize, which
     lm-eval uses when a server has them; a server of one model needs no model name."""
-    from mlx_lm import load
-
     _, tok = on_worker(load, str(server["target"]))
     base = server["base"]
     info = httpx.get(base + "/tokenizer_info").json()
@@ -355,8 +304,6 @@ def test_tokenizer_routes_as_vllm_serves_them(server):
 
 def target_logprobs(model, ids):
     """The target's log-probability rows after each prefix of ``ids`` (one pass)."""
-    import mlx.core as mx
-
     logits = model(mx.array([ids]))[0, :-1].astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
@@ -383,16 +330,6 @@ def test_unknown_route_and_method(server):
 def test_server_still_serves_after_bad_requests(client, reference):
     r = client.completions.create(model="tiny", prompt="hello world", max_tokens=8)
     assert r.choices[0].text == reference("hello world", max_tokens=8)
-
-
-def wait_idle(server, timeout=20.0) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        m = metrics(server)
-        if not m["active_requests"]:
-            return m
-        time.sleep(0.05)
-    raise AssertionError(f"generation did not stop: {m}")
 
 
 def test_disconnect_stops_generation(server):
@@ -589,8 +526,6 @@ def test_serve_with_bad_chat_template_args_says_why(server, args, message):
 
 
 def test_api_key_locks_every_route_but_health(server, tmp_path):
-    import os
-
     key = "s3cret-key-for-tests"
     proc, base = start_server(tmp_path, ["--model-dir", server["root"] / "models", "--settings", server["settings"]],
                               env={**os.environ, "DFLASH2_MLX_API_KEY": key})
@@ -619,36 +554,6 @@ def test_manager_edits_settings_file(server, client, reference):
     store.set("tiny", max_context_window=8)
     r = httpx.post(server["base"] + "/v1/completions", json={"model": "tiny", "prompt": "nine char"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-
-
-def greedy_ids(target, messages, n: int):
-    """The first ``n`` token ids of the greedy reply of ``target`` to ``messages``, and its
-    tokenizer (run on the MLX worker thread)."""
-    from dflash2_mlx.generate import load, stream_generate
-
-    model, tokenizer, _ = load(str(target))
-    return [r.token for r in stream_generate(model, tokenizer, messages, max_tokens=n)], tokenizer
-
-
-def cut_inside_an_emoji(ids, tokenizer) -> int:
-    """The first max_tokens that ends on an emoji's lead piece after some clean text; 0 if none."""
-    pieces = tokenizer.convert_ids_to_tokens(ids)
-    for k in range(2, len(ids)):
-        clean = tokenizer.decode(ids[: k - 1])
-        if pieces[k - 1].startswith(byte_chars()[0xF0]) and "\ufffd" not in clean:
-            return k
-    return 0
-
-
-def all_four_replies(base: str, max_tokens: int) -> list:
-    """Chat and completion replies to the same prompt ids, each non-streaming and streaming."""
-    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
-    chat = dict(model="emoji", messages=CHAT, max_tokens=max_tokens)
-    plain = dict(model="emoji", prompt="u:say hi.a:", max_tokens=max_tokens)  # the chat's rendered text
-    return [client.chat.completions.create(**chat).choices[0].message.content,
-            "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)),
-            client.completions.create(**plain).choices[0].text,
-            "".join(c.choices[0].text for c in client.completions.create(**plain, stream=True))]
 
 
 def test_reply_cut_inside_an_emoji_is_the_same_streaming_or_not(tmp_path):

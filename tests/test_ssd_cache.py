@@ -8,9 +8,11 @@ import logging
 from dataclasses import replace
 
 import pytest
+from mlx_lm.sample_utils import make_logits_processors
 
 from dflash2_mlx.backend.engine import Engine
-from dflash2_mlx.backend.settings import ModelSettings, SettingsError
+from dflash2_mlx.backend.pool import EnginePool
+from dflash2_mlx.backend.settings import ModelSettings, SettingsError, SettingsStore
 from tiny_models import make_drafter, on_worker
 
 NO_EOS = {1: -100.0}
@@ -28,8 +30,6 @@ def _run(engine, prompt, max_tokens=12):
 
 
 def _reference(reference, prompt, max_tokens=12):
-    from mlx_lm.sample_utils import make_logits_processors
-
     return reference(prompt, max_tokens=max_tokens, block_size=4,
                      logits_processors=make_logits_processors(logit_bias=NO_EOS))
 
@@ -141,9 +141,6 @@ def test_ssd_settings_are_validated():
 def test_the_pool_puts_each_pair_under_the_servers_directory(cache_pair, tmp_path):
     """`serve --ssd-cache-dir` reaches the engines the pool loads; the settings file turns
     the tier on per model."""
-    from dflash2_mlx.backend.pool import EnginePool
-    from dflash2_mlx.backend.settings import SettingsStore
-
     target, drafter, _ = cache_pair
     store = SettingsStore(tmp_path / "model_settings.json")
     store.set("t", dflash_enabled=True, dflash_draft_model=str(drafter), dflash_ssd_cache=True,

@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 from typing import Tuple
 
+from huggingface_hub import hf_hub_download
+
 from ..model.config import DrafterConfig, DrafterConfigError
 from ..model.checkpoint import pair_problems
 
@@ -18,8 +20,6 @@ def read_json_config(path_or_repo) -> dict:
         return json.loads(file.read_text())
     if path.exists() or str(path_or_repo).startswith((".", "/", "~")) or str(path_or_repo).count("/") != 1:
         raise FileNotFoundError(f"no such model directory: {path_or_repo}")
-    from huggingface_hub import hf_hub_download
-
     return json.loads(Path(hf_hub_download(str(path_or_repo), "config.json")).read_text())
 
 

@@ -26,6 +26,9 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+from ..loop.draft_context import DraftContext
+from ..loop.target import attach, snapshot
+
 
 @dataclass
 class Entry:
@@ -83,8 +86,6 @@ def recurrent_state(cache) -> list:
     """The recurrent states of ``cache`` (None for attention layers). The models replace
     these arrays at each step rather than write into them, so references are a snapshot:
     the one a speculative rollback takes (caches here are only KVCache / ArraysCache)."""
-    from ..loop.target import snapshot
-
     return snapshot(cache)
 
 
@@ -161,8 +162,6 @@ class PrefixCache:
         """Caches for a request over ``ids``: restored from the best entry, or fresh. With a
         ``drafter`` (DFlash) the start has a draft context too. A hybrid target is advanced to
         the last-but-one prompt token here and stored; its states there are the first held."""
-        from ..loop.draft_context import DraftContext
-
         cache = make_prompt_cache(model)
         context = DraftContext(drafter, window, sink) if drafter is not None else None
         if not self.enabled or not reusable(cache):
@@ -208,8 +207,6 @@ class PrefixCache:
     @staticmethod
     def _advance(start: Start, ids: Sequence[int], model, step: int = 2048):
         """Run ``ids[start.tokens:]`` into the caches (features to the draft context)."""
-        from ..loop.target import attach
-
         target = attach(model, start.context.drafter) if start.context is not None else None
         rest = mx.array(ids[start.tokens:], dtype=mx.uint32)
         for i in range(0, rest.size, step):

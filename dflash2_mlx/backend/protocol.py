@@ -6,6 +6,12 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .options import OPTION_NAMES
+
+# The engine's options a request body names as the engine does; logprobs (and with echo,
+# prompt_logprobs) each request type maps from OpenAI's own fields.
+SAME_NAMED = tuple(n for n in OPTION_NAMES if n not in ("logprobs", "prompt_logprobs"))
+
 
 class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
@@ -65,11 +71,8 @@ class _Request(BaseModel):
         return v
 
     def options(self) -> dict:
-        """Engine generation options: only those the client set."""
-        keys = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep",
-                "xtc_probability", "xtc_threshold", "stop", "seed",
-                "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        """Engine generation options (``RequestOptions``'s names): only those the client set."""
+        return {k: getattr(self, k) for k in SAME_NAMED if getattr(self, k) is not None}
 
     @property
     def include_usage(self) -> bool:

@@ -15,20 +15,22 @@ import asyncio
 import hmac
 import json
 import logging
-import time
 from contextlib import asynccontextmanager
 from typing import Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import EngineError, InvalidOption, PromptTooLong, QueueFull
 from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
-from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_chunk, chat_response, completion_chunk, completion_response, error_body, new_id, usage_chunk, validation_error)
+from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_response,
+                       completion_response, error_body, new_id, validation_error)
 from .settings import SettingsError
+from .sse import chat_events, completion_events, sse_response
+from .wire import EngineError, InvalidOption, PromptTooLong, QueueFull
 
 log = logging.getLogger("dflash2_mlx.server")
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -37,6 +39,18 @@ TTL_POLL_S = 1.0
 
 
 def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> FastAPI:
+    app = FastAPI(title="dflash2-mlx", lifespan=_lifespan(pool, preload))
+    app.state.pool = pool
+    _add_api_key(app, api_key)
+    _add_error_handlers(app)
+    _add_status_routes(app, pool)
+    _add_generation_routes(app, pool)
+    _add_tokenizer_routes(app, pool)
+    return app
+
+
+def _lifespan(pool: EnginePool, preload):
+    """Load the preloaded models, expire idle ones while serving, and stop them all at the end."""
     @asynccontextmanager
     async def lifespan(app):
         for model_id in preload:
@@ -46,9 +60,11 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
         reaper.cancel()
         await pool.stop()
 
-    app = FastAPI(title="dflash2-mlx", lifespan=lifespan)
-    app.state.pool = pool
+    return lifespan
 
+
+def _add_api_key(app: FastAPI, api_key: Optional[str]):
+    """With an API key, every route but /health answers 401 without it."""
     @app.middleware("http")
     async def authorize(request: Request, call_next):
         if api_key and request.url.path != "/health" and not _key_matches(request, api_key):
@@ -57,6 +73,9 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
             return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
 
+
+def _add_error_handlers(app: FastAPI):
+    """Every error in OpenAI's body."""
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
@@ -76,6 +95,9 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
         log.exception("request failed")
         return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
 
+
+def _add_status_routes(app: FastAPI, pool: EnginePool):
+    """/health, /metrics and the model list."""
     @app.get("/health")
     async def health():
         problem = pool.settings_problem()
@@ -100,6 +122,9 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
         except UnknownModel:
             raise _unknown(model_id) from None
 
+
+def _add_generation_routes(app: FastAPI, pool: EnginePool):
+    """/v1/chat/completions and /v1/completions."""
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatRequest)
@@ -110,7 +135,7 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
             if body.stream:
                 chunks = engine.stream_chat(messages, body.tools, request_id=rid,
                                             chat_template_kwargs=body.chat_template_kwargs, **body.options())
-                return _sse(_chat_events(rid, body, chunks), engine, rid)
+                return sse_response(chat_events(rid, body, chunks), engine, rid)
             completion = await _until_disconnect(
                 request, engine.chat(messages, body.tools, request_id=rid,
                                      chat_template_kwargs=body.chat_template_kwargs, **body.options()),
@@ -127,7 +152,7 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
             echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
             if body.stream:
                 chunks = engine.stream_generate(prompts[0], request_id=rid, **body.options())
-                return _sse(_completion_events(rid, body, chunks, echoed and echoed[0]), engine, rid)
+                return sse_response(completion_events(rid, body, chunks, echoed and echoed[0]), engine, rid)
             # A batch of prompts runs side by side (the engine batches them where it can); one
             # that fails fails the request, and stops the others.
             ids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(prompts))]
@@ -136,6 +161,9 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
                                           for p, r in zip(prompts, ids))), engine, *ids)
         return completion_response(rid, body.model, completions, body.logprobs is not None, echoed)
 
+
+def _add_tokenizer_routes(app: FastAPI, pool: EnginePool):
+    """vLLM's /tokenizer_info, /tokenize and /detokenize."""
     @app.get("/tokenizer_info")
     async def tokenizer_info(model: Optional[str] = None):
         engine = await _engine(pool, _Named(model))
@@ -165,8 +193,6 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
         engine = await _engine(pool, body)
         with _mapped_errors():
             return {"prompt": engine.tokenizer.decode(engine.encode(body.tokens))}
-
-    return app
 
 
 class _Named:
@@ -318,66 +344,12 @@ async def _until_disconnect(request: Request, work, engine, *rids):
             task.cancel()
 
 
-def _sse(events, engine, rid) -> StreamingResponse:
-    async def body():
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-            yield "data: [DONE]\n\n"
-        except APIError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
-        except (QueueFull, EngineError) as e:
-            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
-        except Exception as e:
-            log.exception("stream failed")
-            yield f"data: {json.dumps(error_body(f'internal error: {e}', 'server_error'))}\n\n"
-        finally:
-            engine.abort(rid)  # no-op once finished; stops the generation on a disconnect
-
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _chat_events(rid, body: ChatRequest, chunks):
-    created = int(time.time())
-    yield chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})
-    last, calls = None, 0
-    async for last in chunks:
-        delta = {}
-        if last.text:
-            delta["content"] = last.text
-        if last.tool_calls:
-            delta["tool_calls"] = [{"index": calls + i, **c} for i, c in enumerate(last.tool_calls)]
-            calls += len(last.tool_calls)
-        if delta or last.finish_reason:
-            yield chat_chunk(rid, body.model, created, delta, last.finish_reason,
-                             last.logprobs if body.logprobs else None)
-    if body.include_usage and last is not None:
-        yield usage_chunk(rid, body.model, created, "chat.completion.chunk", last)
-
-
 def _prompt_text(engine, prompt) -> str:
     """What echo puts before a completion: the prompt as sent, token ids as text."""
     return prompt if isinstance(prompt, str) else engine.tokenizer.decode(engine.encode(prompt))
 
 
-async def _completion_events(rid, body: CompletionRequest, chunks, echoed: Optional[str] = None):
-    created = int(time.time())
-    last, offset = None, 0
-    async for last in chunks:
-        text, entries = last.text, last.logprobs
-        if echoed is not None:  # the prompt leads the first chunk (its entries there too)
-            text, entries, echoed = echoed + text, (last.prompt_logprobs or []) + entries, None
-        yield completion_chunk(rid, body.model, created, text, last.finish_reason,
-                               entries if body.logprobs is not None else None, offset)
-        offset += sum(len(e["token"]) for e in entries)
-    if body.include_usage and last is not None:
-        yield usage_chunk(rid, body.model, created, "text_completion", last)
-
-
 def serve(pool: EnginePool, host: str = "127.0.0.1", port: int = 8000, preload=(),
           log_level: str = "info", api_key: Optional[str] = None):
     """Run the server until interrupted."""
-    import uvicorn
-
     uvicorn.run(create_app(pool, preload, api_key), host=host, port=port, log_level=log_level)

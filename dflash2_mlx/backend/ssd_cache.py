@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm import __version__ as mlx_lm_version
+from safetensors import safe_open
+
+from ..builtin.smollm2 import cache_home
 
 from .prefix_cache import Entry, covers, reuse_length
 
@@ -36,8 +40,6 @@ FORMAT = "dflash2-prefix-1"
 
 def default_ssd_cache_dir() -> Path:
     """Where pairs' directories go unless ``serve --ssd-cache-dir`` says otherwise."""
-    from ..builtin.smollm2 import cache_home
-
     return cache_home() / "ssd-cache"
 
 
@@ -45,8 +47,6 @@ def pair_dir(root, target_dir, draft_dir, load_kwargs: dict) -> Path:
     """The directory of one pair's entries under ``root``: named by the pair's files (path,
     size and modification time of each config and weight file), load options and mlx-lm's
     version (its models lay out the caches)."""
-    from mlx_lm import __version__ as mlx_lm_version
-
     def files(d):
         d = Path(d).resolve()
         return [str(d)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(d.iterdir())
@@ -126,8 +126,6 @@ class DiskTier:
         return self.root / f"{name}.safetensors"
 
     def _scan(self):
-        from safetensors import safe_open
-
         files = sorted((f for f in self.root.glob("*.safetensors") if not f.name.startswith(".")),
                        key=lambda f: f.stat().st_mtime_ns)  # (dot files: another writer's, unfinished)
         for f in files:

@@ -1,0 +1,303 @@
+"""The batch job: DFlash requests that run at the same time share one ``BatchGenerator``
+(``dflash2_mlx.batch``), stepped by one worker job. Each step lets the requests whose turn
+came join, drops aborted ones, and runs one batched draft -> verify cycle for all; every
+sequence keeps its own acceptance, so each stays lossless (greedy: its single-stream text).
+A request that finds nothing running starts as a single stream (``solo.py``) and hands over
+to the batch when another one asks to join."""
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Dict, List, Optional
+
+from mlx_lm.models.cache import KVCache
+
+from ..batch import BatchGenerator, batch_policy
+from ..batch.cache import batch_layers
+from ..loop.cycle import CycleStats
+from ..loop.target import UnsupportedTargetError, attach
+from .admission import DONE, Request
+from .prefix_cache import Start, recurrent_state
+from .reply import Reply
+from .settings import ModelSettings
+from .solo import Carry, solo_job
+from .wire import Chunk
+
+log = logging.getLogger("dflash2_mlx.engine")
+
+
+def batchable(model, drafter) -> bool:
+    """Whether ``BatchGenerator`` takes this target (not one with sliding-window caches)."""
+    try:
+        batch_layers(attach(model, drafter))
+        return True
+    except UnsupportedTargetError as e:
+        log.info("requests run one at a time, each its own stream: %s", e)
+        return False
+
+
+def block_policy(s: ModelSettings, model, drafter):
+    """The batch's block size: fixed, "auto", or (verify mode "adaptive" with a block
+    size) the adaptive policy up to it, as ``stream_generate`` chooses for one stream."""
+    mode = s.verify_mode(0)
+    if mode == "dflash" and s.dflash_block_size is not None:
+        return s.dflash_block_size
+    if mode == "adaptive" and s.dflash_block_size is not None:
+        return batch_policy(attach(model, drafter), drafter, s.dflash_block_size)
+    return "auto"
+
+
+class Joined:
+    """A request in the batch (worker thread only)."""
+
+    def __init__(self, request: Request, push, start, reply: Reply, detokenizer, decoding: dict):
+        self.request, self.push, self.start, self.reply = request, push, start, reply
+        self.detokenizer, self.decoding = detokenizer, decoding
+        self.tokens: List[int] = []  # every token the batch produced for it, in order
+        self.n = 0  # completion tokens counted for the client
+        self.last = None  # its latest Response
+        self.finish: Optional[str] = None
+        self.joined = time.perf_counter()
+        self.first: Optional[float] = None  # when its first token came
+        self.ids = request.ids  # the ids it joined with (the prompt, and a carry's tokens)
+        self.before = None  # the last response of its single stream, if it was handed over
+
+    def carry(self, c: Carry):
+        """Go on from a single stream: its count, times, text state and draft statistics."""
+        self.n, self.joined, self.first, self.reply, self.before = c.n, c.began, c.first, c.reply, c.last
+        self.start.reused = c.reused  # what the client is told it reused: the prompt's
+        for t in c.tokens:  # the text already sent: the detokenizer resumes after it
+            self.detokenizer.add_token(t)
+        self.detokenizer.last_segment
+
+    def stats(self, st):
+        """Its draft statistics over both parts (``st``: the batch's for it)."""
+        b = self.before
+        if b is None or not b.cycles:
+            return st
+        out = CycleStats(max(len(b.acceptance_counts), len(st.position_accepted)) + 1)
+        out.cycles = b.cycles + st.cycles
+        out.total_accepted = sum(b.acceptance_counts) + st.total_accepted
+        out.block_sizes = collections.Counter(b.block_sizes) + collections.Counter(st.block_sizes)
+        for part in (b.acceptance_counts, st.position_accepted):
+            for i, v in enumerate(part):
+                out.position_accepted[i] += v
+        out.fallback = st.fallback if st.cycles else b.fallback
+        out.shadows = b.shadows + st.shadows
+        return out
+
+
+class Batching:
+    """One engine's batch: the request running solo for now, those waiting to join, and
+    the job that steps the batch while it has requests."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.job: Optional[Future] = None  # the job stepping the batch, while it has requests
+        self.joins = []  # (request, push, carry) waiting to join the batch, under lock
+        self.solo: Optional[Request] = None  # a batchable request alone until others come
+        self.lock = threading.Lock()
+
+    def takes(self, request: Request) -> bool:
+        """Whether the request joins the batch (see the engine's docstring for who does not)."""
+        e, s = self.engine, self.engine.settings
+        mode = s.verify_mode(len(request.ids))
+        if not e.batchable or e.max_running() < 2 or mode == "off":
+            return False
+        if request.options.scoring:  # scoring: solo
+            return False
+        # A seeded sampled request gets its single-stream text: in the batch only where the
+        # batch drafts and copies exactly as its single stream would (a fixed block size).
+        fixed = mode == "dflash" and s.dflash_block_size is not None
+        return fixed or not request.generation.seeded_sampled
+
+    def join(self, request: Request, push) -> Future:
+        """Hand the request to the batch job (starting one when none runs); the future is
+        done when the job is done with the request."""
+        request.done = Future()
+        with self.lock:
+            if self.job is None and self.solo is None and not self.joins and not request.generation.seeded_sampled:
+                # A seeded request stays out: its key cannot be handed over mid-stream.
+                self.solo = request
+                self.engine.admission.track(solo_job(self.engine, request, push, True))
+            else:
+                self.joins.append((request, push, None))
+                if self.solo is None:
+                    self._start()
+        return request.done
+
+    def handover_wanted(self) -> bool:
+        """Another request waits to join: the solo one should hand over."""
+        return bool(self.joins)
+
+    def solo_ended(self, request: Request, carry: Optional[Carry]):
+        """The solo request has finished, or (``carry``) goes on in the batch, first in line."""
+        with self.lock:
+            if carry is not None:
+                self.joins.insert(0, (request, request.push, carry))
+            if self.solo is request:
+                self.solo = None
+            if self.joins:
+                self._start()
+
+    def _start(self):
+        """Start the batch job if none runs (under lock)."""
+        if self.job is None:
+            self.job = self.engine.worker.submit(self._steps)
+            self.engine.admission.track(self.job)
+
+    def _steps(self):
+        """The batch job (worker thread): each step, the requests whose turn came join,
+        aborted ones leave, then one cycle for all; it ends when no request is left.  Its
+        BatchGenerator lives as long as the job, as a single stream's state lives as long
+        as its request: made with the settings of the moment, its adaptive block sizes
+        seeded from the pair's history and folded back into it at the end."""
+        joined: Dict[int, Joined] = {}  # uid -> request
+        gen = None
+        while True:
+            with self.lock:
+                joins, self.joins = collections.deque(self.joins), []
+                if not joins and not joined:
+                    self.job = None
+                    if gen is not None:
+                        gen.close()
+                    return
+            try:
+                gen = gen or self._generator()
+                while joins:
+                    self._insert(gen, joined, *joins[0])
+                    joins.popleft()
+                for uid, j in list(joined.items()):
+                    if j.request.aborted.is_set():
+                        j.finish = "abort"
+                        j.push(Chunk(finish_reason="abort", prompt_tokens=len(j.request.ids), completion_tokens=j.n,
+                                     cached_tokens=j.start.reused, engine=j.decoding))
+                        self._leave(gen, joined, uid)
+                if joined:
+                    self._cycle(gen, joined)
+            except Exception as e:  # the batch is in an unknown state: its requests fail
+                log.exception("batched generation failed")
+                for uid in list(joined):
+                    joined[uid].finish = "error"
+                    joined[uid].push(e)
+                    self._done(joined.pop(uid))
+                for request, push, _ in joins:  # not in the batch yet
+                    self._refuse(request, push, "error", e)
+                gen = None
+            yield
+
+    def _generator(self) -> BatchGenerator:
+        e, s = self.engine, self.engine.settings
+        return BatchGenerator(e.model, e.drafter, block_size=block_policy(s, e.model, e.drafter),
+                              draft_window=s.draft_window, draft_sink=s.draft_sink,
+                              return_caches=True, lookup=s.dflash_copies)
+
+    def _insert(self, gen, joined: Dict[int, Joined], request: Request, push, carry: Optional[Carry] = None):
+        """Put a request into the batch: its prefix-cache start, sampling and stops.  A
+        request handed over from its single stream (``carry``) goes on after its tokens."""
+        if request.aborted.is_set():
+            self._refuse(request, push, "abort", Chunk(finish_reason="abort", prompt_tokens=len(request.ids)))
+            return
+        e, s, g = self.engine, self.engine.settings, request.generation
+        ids = request.ids + (carry.tokens if carry else [])
+        try:
+            start = (carry.caches if carry else e.prefix_cache).start(
+                ids, e.model, e.drafter, s.draft_window, sink=s.draft_sink)
+            uid = gen.insert(
+                ids, max_tokens=g.max_tokens - (carry.n if carry else 0), params=g.sampling,
+                logits_processors=g.logits_processors(), stop_tokens=e.tokenizer.eos_token_ids,
+                seed=g.seed, prompt_cache=start.cache if start.tokens else None,
+                draft_context=start.context, cached_tokens=start.tokens)
+        except Exception as ex:
+            self._refuse(request, push, "error", ex)
+            return
+        e.stats.move(active=1)
+        j = Joined(request, push, start, Reply(e.tokenizer, request.options, request.tools, request.chat),
+                   e.tokenizer.detokenizer, s.engine(len(request.ids)))
+        j.ids = ids
+        if carry is not None:
+            j.carry(carry)
+        joined[uid] = j
+
+    def _refuse(self, request: Request, push, finish: str, item):
+        """A request that ends before it is in the batch: ``item`` is its last message."""
+        self.engine.stats.add(prompt_tokens=len(request.ids), finish_reason=finish)
+        push(item)
+        push(DONE)
+        request.done.set_result(None)
+
+    def _cycle(self, gen, joined: Dict[int, Joined]):
+        """One ``gen.next()``: each response through its request's text pipeline, as a
+        single stream does; finished requests leave."""
+        ended = []
+        self.engine.stats.batch_step(len(joined))
+        for r in gen.next():
+            j = joined[r.uid]
+            j.tokens.append(r.token)
+            j.last = r
+            if j.finish:  # tokens of a cycle past a stop string: in the cache, not the reply
+                continue
+            now = time.perf_counter()
+            j.first = j.first or now
+            j.n += 1
+            if r.finish_reason != "stop":  # a stop token is not part of the text
+                j.detokenizer.add_token(r.token)
+            if r.finish_reason:
+                j.detokenizer.finalize()
+            j.reply.token(r.token, r.logprobs, r.finish_reason)
+            content, calls, j.finish = j.reply.add(j.detokenizer.last_segment, r.finish_reason)
+            if content or calls or j.finish:
+                st = j.stats(r.stats)
+                j.push(Chunk(text=content, finish_reason=j.finish, prompt_tokens=len(j.request.ids),
+                             completion_tokens=j.n, tool_calls=calls, tau=st.tau, cycles=st.cycles,
+                             generation_tps=j.n / max(now - j.first, 1e-9),
+                             block_sizes=dict(sorted(st.block_sizes.items())), fallback=st.fallback,
+                             cached_tokens=j.start.reused, engine=j.decoding, shadows=st.shadows,
+                             logprobs=j.reply.take()))
+            if j.finish:
+                ended.append(r.uid)
+        for uid in ended:
+            self._leave(gen, joined, uid)
+
+    def _leave(self, gen, joined: Dict[int, Joined], uid: int):
+        """A request is done: its caches go to the prefix cache, it leaves the batch."""
+        j = joined.pop(uid)
+        try:
+            if j.last is None:  # no token yet: nothing to keep
+                pass
+            elif j.last.finish_reason:  # the batch ended it: it has left, its caches with it
+                self._store(j, j.last.cache, j.last.context)
+            else:
+                self._store(j, *gen.extract_cache(uid))
+        except Exception:  # a cache that cannot keep this request must not fail it
+            log.exception("prefix cache: could not store the request's caches")
+        gen.remove(uid)
+        self._done(j)
+
+    def _store(self, j: Joined, cache, context):
+        """Keep a batch sequence's caches (every token it committed, in order) for reuse."""
+        n = next((c.offset for c in cache if isinstance(c, KVCache)), 0)
+        start = Start(cache, context, tokens=n)
+        if not all(c.is_trimmable() for c in cache):
+            # Recurrent states: the batch replays them to exactly the committed tokens, which
+            # are all known unless a stop token cut the cycle (``store`` checks the count).
+            start.held = (n, recurrent_state(cache))
+        self.engine.prefix_cache.store(j.ids + j.tokens, start)
+
+    def _done(self, j: Joined):
+        """The request's stats, its last message, and its place freed."""
+        stats = self.engine.stats
+        stats.move(active=-1)
+        n_prompt, st = len(j.request.ids), j.stats(j.last.stats) if j.last is not None else None
+        if st is not None:
+            end = time.perf_counter()
+            stats.add(prompt_tokens=n_prompt, generation_tokens=j.n,
+                      prompt_seconds=j.first - j.joined, generation_seconds=end - j.first,
+                      cycles=st.cycles, tau=st.tau, position_accepted=st.position_accepted,
+                      block_sizes=st.block_sizes, fallback=st.fallback, finish_reason=j.finish)
+        else:
+            stats.add(prompt_tokens=n_prompt, finish_reason=j.finish or "abort")
+        j.push(DONE)
+        j.request.done.set_result(None)

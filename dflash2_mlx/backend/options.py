@@ -1,0 +1,128 @@
+"""A request's options, typed (in the spirit of mlx-lm server's ``SamplingArguments`` and
+``GenerationArguments``): ``RequestOptions`` is what a request set, checked when its stream
+is made (so the caller learns which option is wrong); ``Generation`` is what it runs with:
+each option its own, else the model's setting, else the default."""
+
+from dataclasses import dataclass, fields
+from typing import Dict, Optional, Sequence, Union
+
+from mlx_lm.sample_utils import make_logits_processors
+
+from ..loop.sampling import SamplingParams, xtc_special_tokens
+from .settings import ModelSettings, first_set
+from .wire import InvalidOption
+
+# The most alternatives a request may ask to see next to each token's log-probability.
+MAX_TOP_LOGPROBS = 20
+# A penalty at its neutral value builds no logits processor.
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """The generation options a request may set (OpenAI's names); None: not set."""
+    max_tokens: Optional[int] = None  # 0: nothing generated (a prompt scored alone)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens_to_keep: Optional[int] = None
+    xtc_probability: Optional[float] = None  # XTC spares "\n" and EOS, as mlx-lm's server does
+    xtc_threshold: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, Sequence[str], None] = None
+    logprobs: Optional[int] = None  # alternatives to report with each token's log-probability
+    prompt_logprobs: Optional[int] = None  # the same for each prompt token, in the first chunk
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[Dict] = None
+
+    @classmethod
+    def parse(cls, params: dict) -> "RequestOptions":
+        """The options of keyword arguments; TypeError names any this engine does not know."""
+        unknown = set(params) - set(OPTION_NAMES)
+        if unknown:
+            raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        return cls(**params)
+
+    def check_max_tokens(self):
+        n = self.max_tokens
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise InvalidOption("max_tokens", f"max_tokens is a number of tokens, 0 or more; got {n!r}")
+
+    def check_max_tokens_fit(self, context_window: Optional[int]):
+        if context_window and (self.max_tokens or 0) > context_window:
+            raise InvalidOption("max_tokens", f"max_tokens {self.max_tokens} is beyond this "
+                                f"model's context window of {context_window} tokens")
+
+    def check_logprobs(self):
+        for name in ("logprobs", "prompt_logprobs"):
+            top = getattr(self, name)
+            if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                                    or not 0 <= top <= MAX_TOP_LOGPROBS):
+                raise InvalidOption(name, f"{name} is the number of alternatives to report, "
+                                    f"0..{MAX_TOP_LOGPROBS}; got {top!r}")
+
+    @property
+    def scoring(self) -> bool:
+        """The request scores its prompt (prompt logprobs, or nothing generated)."""
+        return self.prompt_logprobs is not None or self.max_tokens == 0
+
+
+OPTION_NAMES = tuple(f.name for f in fields(RequestOptions))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a request runs with: its sampling, logits processors' options and token limit."""
+    sampling: SamplingParams
+    penalties: Dict  # make_logits_processors options (neutral penalties left out)
+    max_tokens: int
+    seed: Optional[int] = None
+
+    @property
+    def seeded_sampled(self) -> bool:
+        """A seeded sampled request: it promises its single-stream text."""
+        return self.sampling.temp > 0 and self.seed is not None
+
+    def logits_processors(self):
+        return make_logits_processors(**self.penalties) if self.penalties else None
+
+
+def sampling_params(o: RequestOptions, s: ModelSettings, tokenizer) -> SamplingParams:
+    """The request's sampling (else the model's, else the default); InvalidOption names
+    an option out of range."""
+    xtc, special = first_set(o.xtc_probability, 0.0), ()
+    if xtc:
+        special = tuple(xtc_special_tokens(tokenizer))
+    try:
+        return SamplingParams(temp=first_set(o.temperature, s.temperature, 0.0),
+                              top_p=first_set(o.top_p, s.top_p, 1.0),
+                              top_k=first_set(o.top_k, s.top_k, 0),
+                              min_p=first_set(o.min_p, s.min_p, 0.0),
+                              min_tokens_to_keep=first_set(o.min_tokens_to_keep, 1),
+                              xtc_probability=xtc, xtc_threshold=first_set(o.xtc_threshold, 0.1),
+                              xtc_special_tokens=special)
+    except ValueError as e:
+        name = str(e).split()[0]
+        raise InvalidOption("temperature" if name == "temp" else name, str(e)) from None
+
+
+def penalties(o: RequestOptions, s: ModelSettings) -> dict:
+    """The request's penalties (else the model's) and logit bias as ``make_logits_processors``
+    options; a neutral penalty builds no processor (a plain request keeps its prefix reuse)."""
+    out = {}
+    for k, neutral in NEUTRAL.items():
+        v = first_set(getattr(o, k), getattr(s, k, None), neutral)
+        if v != neutral:
+            out[k] = v
+    if o.logit_bias:
+        out["logit_bias"] = {int(k): float(v) for k, v in o.logit_bias.items()}
+    return out
+
+
+def generation(o: RequestOptions, s: ModelSettings, default_max_tokens: int, tokenizer) -> Generation:
+    """What the request runs with under the settings ``s``."""
+    return Generation(sampling=sampling_params(o, s, tokenizer), penalties=penalties(o, s),
+                      max_tokens=first_set(o.max_tokens, s.max_tokens, default_max_tokens), seed=o.seed)

@@ -1,0 +1,213 @@
+"""Solo decoding: a request as its own stream on the worker, a token a step
+(``dflash2_mlx.generate.stream_generate``), each stepped job with its own random key.
+Requests the batch cannot serve run so; a batchable request that finds nothing running
+starts so too (``solo``), and hands over to the batch when another request asks to join:
+its caches through the prefix cache, its text state and counts in a ``Carry``."""
+
+import logging
+import time
+from dataclasses import asdict
+from typing import List, Optional
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..generate import stream_generate
+from ..loop.random_keys import fresh_key, swap_key
+from ..loop.scoring import prompt_logprobs
+from .admission import DONE, Request
+from .prefix_cache import PrefixCache, Start
+from .reply import Reply, prompt_entries
+from .wire import Chunk
+
+log = logging.getLogger("dflash2_mlx.engine")
+# Replies up to this long to a scored prompt decode plain from the scoring pass's caches (a
+# prefill saved outweighs what DFlash would save over so few tokens); longer ones draft.
+SCORED_PLAIN_MAX = 16
+# The memory tier a handover keeps its caches in when the engine's is off: room for any.
+UNBOUNDED = 1 << 62
+
+
+class Carry:
+    """A solo request's state as it hands over to the batch."""
+
+    def __init__(self, tokens: List[int], n: int, reply: Reply, began: float,
+                 first: Optional[float], last, caches: PrefixCache, reused: int):
+        self.tokens, self.n, self.reply, self.began, self.first, self.last = tokens, n, reply, began, first, last
+        self.caches = caches  # where its caches are: the engine's prefix cache or its own
+        self.reused = reused  # prompt tokens its single stream took from the prefix cache
+
+
+def own_random(steps):
+    """A stepped job with its own random key: jobs that take turns on the worker do not
+    draw from each other's streams (a seeded request keeps its text)."""
+    def job(*args):
+        gen, key = steps(*args), fresh_key()
+        while True:
+            outer = swap_key(key)
+            try:
+                next(gen)
+            except StopIteration:
+                return
+            finally:
+                key = swap_key(outer)
+            yield
+
+    return job
+
+
+def solo_steps(engine, request: Request, push, solo: bool = False):
+    """The stepped job of one request (worker thread): push Chunks, then DONE."""
+    return SoloStream(engine, request, push, solo).steps()
+
+
+def solo_job(engine, request: Request, push, solo: bool = False):
+    """Submit the request's single stream to the engine's worker; its future."""
+    return engine.worker.submit(own_random(solo_steps), engine, request, push, solo)
+
+
+class SoloStream:
+    """One request decoded as a single stream. ``solo``: a batchable request alone for now,
+    handed over to the batch when another one asks to join."""
+
+    def __init__(self, engine, request: Request, push, solo: bool):
+        self.engine, self.request, self.push, self.solo = engine, request, push, solo
+        self.settings = engine.settings  # the settings of the moment, for the whole request
+        self.n_prompt = len(request.ids)
+        self.began = self.first = None
+        self.last, self.finish, self.n = None, None, 0  # its latest response, finish, tokens
+        self.start: Optional[Start] = None  # where its caches came from
+        self.mode = None  # its verify mode
+        self.decoding: dict = {}  # how it is decoded, as the client is told (ModelSettings.engine)
+        self.reply: Optional[Reply] = None
+        self.emitted: List[int] = []
+
+    def steps(self):
+        e, request, push = self.engine, self.request, self.push
+        e.stats.move(active=1)
+        request.push = push
+        if request.aborted.is_set():
+            e.stats.move(active=-1)
+            push(Chunk(finish_reason="abort", prompt_tokens=self.n_prompt))
+            push(DONE)
+            self._end(None)
+            return
+        self.began = time.perf_counter()
+        gen = None
+        try:  # everything that can fail inside: a failure must still end the request (below)
+            gen = self._generator()
+            if gen is not None:
+                yield from self._relay(gen)
+        except Exception as ex:
+            self.finish = "error"
+            push(ex)
+        finally:
+            if gen is not None:
+                gen.close()
+            self._close()
+
+    def _generator(self):
+        """Its start (the scoring pass's caches, or the prefix cache's) and its token
+        generator; None when it generates nothing (a prompt scored alone)."""
+        e, s, request, g = self.engine, self.settings, self.request, self.request.generation
+        self.mode = s.verify_mode(self.n_prompt)
+        self.decoding = s.engine(self.n_prompt)
+        drafting = self.mode != "off" and e.drafter is not None
+        self.reply = Reply(e.tokenizer, request.options, request.tools, request.chat)
+        scored = None
+        if request.options.prompt_logprobs is not None:
+            entries, scored = scored_prompt(e, request.ids, request.options.prompt_logprobs)
+            self.push(Chunk(prompt_tokens=self.n_prompt, prompt_logprobs=entries))
+        if g.max_tokens == 0:  # scored, not continued
+            self.finish = "length"
+            self.push(Chunk(finish_reason="length", prompt_tokens=self.n_prompt, engine=self.decoding))
+            return None
+        # Plain decoding shows its penalties only the uncached tokens: no reuse with them.
+        reuse = drafting or not set(g.penalties) - {"logit_bias"}
+        if (scored is not None and reuse and all(c.is_trimmable() for c in scored)
+                and g.max_tokens <= SCORED_PLAIN_MAX):
+            # A short reply to a scored prompt (lm-eval's: one token) goes on from the
+            # scoring pass's caches, plain: no second prefill of the prompt.
+            self.mode, drafting = "off", False
+            self.decoding = {**self.decoding, "dflash": False, "verify_mode": "off", "block_size": None}
+            self.start = Start(scored, None, self.n_prompt - 1)
+        else:
+            self.start = e.prefix_cache.start(request.ids, e.model, e.drafter if drafting else None,
+                                              s.draft_window, reuse=reuse, sink=s.draft_sink)
+        return stream_generate(
+            e.model, e.tokenizer, request.ids, e.drafter, max_tokens=g.max_tokens, **asdict(g.sampling),
+            logits_processors=g.logits_processors(), block_size=s.dflash_block_size,
+            verify_mode=self.mode, seed=g.seed, draft_window=s.draft_window, draft_sink=s.draft_sink,
+            prompt_cache=self.start.cache, draft_context=self.start.context,
+            cached_tokens=self.start.tokens, lookup=s.dflash_copies)
+
+    def _relay(self, gen):
+        """Each token through the reply into Chunks, a step each, until it finishes, is
+        aborted, or (solo) hands over after a cycle."""
+        e, request, reply, push = self.engine, self.request, self.reply, self.push
+        for last in gen:
+            self.last, self.n = last, last.generation_tokens
+            self.first = self.first or time.perf_counter()
+            self.emitted.append(last.token)
+            e.prefix_cache.note(self.start, self.n_prompt + self.n)
+            reply.token(last.token, last.logprobs, last.finish_reason)
+            content, calls, self.finish = reply.add(last.text, last.finish_reason)
+            if content or calls or self.finish:
+                push(Chunk(text=content, finish_reason=self.finish, prompt_tokens=self.n_prompt,
+                           completion_tokens=self.n, tool_calls=calls, tau=last.tau, cycles=last.cycles,
+                           generation_tps=last.generation_tps, block_sizes=last.block_sizes,
+                           fallback=last.fallback, cached_tokens=self.start.reused, engine=self.decoding,
+                           shadows=last.shadows, logprobs=reply.take()))
+            if self.finish:
+                break
+            yield
+            if request.aborted.is_set():
+                self.finish = "abort"
+                push(Chunk(finish_reason="abort", prompt_tokens=self.n_prompt, completion_tokens=self.n,
+                           cached_tokens=self.start.reused, engine=self.decoding))
+                break
+            if self.solo and e.batching.handover_wanted() and last.cycles:  # after a cycle: its τ counts one
+                self.finish = "handover"
+                break
+
+    def _close(self):
+        """Keep its caches, count its stats, and end it (or hand it over)."""
+        e, finish, last = self.engine, self.finish, self.last
+        # A handover keeps its caches even where the prefix cache's memory tier is off: in
+        # one of its own (not by way of the disk tier).
+        kept = e.prefix_cache if finish != "handover" or e.prefix_cache.budget > 0 else PrefixCache(UNBOUNDED)
+        if self.start is not None and finish != "error":
+            try:
+                kept.store(self.request.ids + self.emitted, self.start)
+            except Exception:  # a cache that cannot keep this request must not fail it
+                log.exception("prefix cache: could not store the request's caches")
+        e.stats.move(active=-1)
+        if finish == "handover":
+            self._end(Carry(self.emitted, self.n, self.reply, self.began, self.first, last, kept,
+                            self.start.reused))
+            return
+        if last is not None:
+            n = self.n
+            e.stats.add(
+                prompt_tokens=self.n_prompt, generation_tokens=n,
+                prompt_seconds=self.n_prompt / last.prompt_tps if last.prompt_tps else 0.0,
+                generation_seconds=n / last.generation_tps if last.generation_tps else 0.0,
+                cycles=last.cycles, tau=last.tau, position_accepted=last.acceptance_counts,
+                block_sizes=last.block_sizes, fallback=last.fallback,
+                plain=self.mode == "off" and e.drafter is not None, finish_reason=finish)
+        else:
+            e.stats.add(prompt_tokens=self.n_prompt, finish_reason=finish or "abort")
+        self.push(DONE)
+        self._end(None)
+
+    def _end(self, carry: Optional[Carry]):
+        if self.solo:
+            if carry is None:
+                self.request.done.set_result(None)
+            self.engine.batching.solo_ended(self.request, carry)
+
+
+def scored_prompt(engine, ids: List[int], top: int):
+    """The prompt's logprob entries, and the target's caches of it but its last token."""
+    cache = make_prompt_cache(engine.model)
+    lps, tops = prompt_logprobs(engine.model, ids, top, cache=cache)
+    return prompt_entries(engine.tokenizer, ids, lps, tops), cache

@@ -1,0 +1,66 @@
+"""Server-sent events: a streamed response as OpenAI's ``data: {...}`` events, ended by
+``data: [DONE]`` (or an error event), and the chunk events of chat and of completions."""
+
+import json
+import logging
+import time
+from typing import Optional
+
+from fastapi.responses import StreamingResponse
+
+from .protocol import APIError, ChatRequest, CompletionRequest, chat_chunk, completion_chunk, error_body, usage_chunk
+from .wire import EngineError, QueueFull
+
+log = logging.getLogger("dflash2_mlx.server")
+
+
+def sse_response(events, engine, rid) -> StreamingResponse:
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except (QueueFull, EngineError) as e:
+            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+        except Exception as e:
+            log.exception("stream failed")
+            yield f"data: {json.dumps(error_body(f'internal error: {e}', 'server_error'))}\n\n"
+        finally:
+            engine.abort(rid)  # no-op once finished; stops the generation on a disconnect
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def chat_events(rid, body: ChatRequest, chunks):
+    created = int(time.time())
+    yield chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})
+    last, calls = None, 0
+    async for last in chunks:
+        delta = {}
+        if last.text:
+            delta["content"] = last.text
+        if last.tool_calls:
+            delta["tool_calls"] = [{"index": calls + i, **c} for i, c in enumerate(last.tool_calls)]
+            calls += len(last.tool_calls)
+        if delta or last.finish_reason:
+            yield chat_chunk(rid, body.model, created, delta, last.finish_reason,
+                             last.logprobs if body.logprobs else None)
+    if body.include_usage and last is not None:
+        yield usage_chunk(rid, body.model, created, "chat.completion.chunk", last)
+
+
+async def completion_events(rid, body: CompletionRequest, chunks, echoed: Optional[str] = None):
+    created = int(time.time())
+    last, offset = None, 0
+    async for last in chunks:
+        text, entries = last.text, last.logprobs
+        if echoed is not None:  # the prompt leads the first chunk (its entries there too)
+            text, entries, echoed = echoed + text, (last.prompt_logprobs or []) + entries, None
+        yield completion_chunk(rid, body.model, created, text, last.finish_reason,
+                               entries if body.logprobs is not None else None, offset)
+        offset += sum(len(e["token"]) for e in entries)
+    if body.include_usage and last is not None:
+        yield usage_chunk(rid, body.model, created, "text_completion", last)
