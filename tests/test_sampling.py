@@ -19,7 +19,8 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
-from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.loop.sampling import (SamplingParams, accept, log_softmax, verify_greedy, verify_lazy,
+                                       verify_sampled)
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from helpers import ref_probs, exact_joint, chi2_pvalue, params_of
@@ -158,3 +159,43 @@ def test_sampling_params_refuse_what_mlx_lm_refuses():
     for bad in (dict(xtc_probability=1.5), dict(xtc_threshold=0.6), dict(min_tokens_to_keep=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(temp=1.0, **bad)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temp=1.0), dict(temp=0.8, top_p=0.9, top_k=6),
+                                dict(temp=1.1, min_p=0.05, xtc=(0.5, 0.1, (2,)))])
+def test_single_stream_and_batch_share_the_accept_rule(kw):
+    """On random rows and drafts (drawn from rows q near the target's, one-hot as a copy's
+    in some), with the same key: a single stream's ``verify_greedy`` / ``verify_sampled``
+    and a batch's ``verify_lazy`` read by ``accept`` accept as many drafts, emit the same
+    token with the same log-probabilities, and leave the key where the other leaves it."""
+    params = params_of(kw)
+    rng = np.random.default_rng(7)
+    vocab, n = 16, 4
+    counts = set()
+    for trial in range(80):
+        logits = rng.normal(size=(n + 1, vocab)) * 2.0
+        q = np.exp(logits[:n] + rng.normal(size=(n, vocab)) * 0.7)
+        q /= q.sum(axis=-1, keepdims=True)
+        draft = np.array([rng.choice(vocab, p=row) for row in q])
+        if params.greedy:  # the target's own argmax for a random prefix, then the draws
+            agree = rng.integers(0, n + 1)
+            draft[:agree] = logits[:agree].argmax(axis=-1)
+        elif trial % 4 == 0:  # a copy: its rows q are one-hot
+            q = np.eye(vocab)[draft]
+        logits, q = mx.array(logits, dtype=mx.float32), mx.array(q, dtype=mx.float32)
+        draft = mx.array(draft, dtype=mx.int32)
+        mx.random.seed(trial)
+        if params.greedy:
+            accepted, token, logprobs = verify_greedy(logits, draft)
+        else:
+            accepted, token, logprobs = verify_sampled(logits, q, draft, params)
+        single_key = mx.random.state[0].tolist()
+        mx.random.seed(trial)
+        ok, candidates = verify_lazy(log_softmax(logits), draft, None if params.greedy else q, params)
+        mx.eval(ok, candidates)
+        assert mx.random.state[0].tolist() == single_key
+        assert accept(ok.tolist(), candidates.tolist()) == (accepted, token)
+        np.testing.assert_allclose(np.array(logprobs), np.array(log_softmax(logits)[: accepted + 1]),
+                                   rtol=0, atol=1e-6)
+        counts.add(accepted)
+    assert {0, n} <= counts and len(counts) >= 3, f"too few outcomes to compare: {counts}"

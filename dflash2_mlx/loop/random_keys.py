@@ -2,7 +2,9 @@
 
 ``propose`` and the accept rules draw from MLX's global key, so a seeded sequence in a batch,
 or a request taking turns on the worker, draws what it would draw alone when its own key is
-the global one for exactly its draws."""
+the global one for exactly its draws (``swap_key``, or ``RandomStream`` around them)."""
+
+from typing import Optional
 
 import mlx.core as mx
 
@@ -21,3 +23,21 @@ def fresh_key() -> int:
     """A key for a sequence without a seed, drawn from the global generator (62 bits)."""
     hi, lo = mx.random.randint(0, (1 << 31) - 1, shape=(2,)).tolist()
     return (hi << 32) | lo
+
+
+class RandomStream:
+    """A random stream of its own: ``with stream:`` makes its key the global one for the
+    draws inside, puts the global one back after them, and keeps its key where its draws
+    left it.  ``key`` None (a greedy sequence, which draws nothing): the global key stays."""
+
+    def __init__(self, key: Optional[int]):
+        self.key, self.outer = key, None
+
+    def __enter__(self):
+        if self.key is not None:
+            self.outer = swap_key(self.key)
+        return self
+
+    def __exit__(self, *exc):
+        if self.key is not None:
+            self.key = swap_key(self.outer)

@@ -9,6 +9,14 @@ XTC ("exclude top choices") is a coin flip per token in mlx-lm: with probability
 ``xtc_probability`` the tokens above ``xtc_threshold`` but the least likely of them are
 removed.  The token a plain step emits is then drawn from the mixture
 ``(1 - P) * p_kept + P * p_removed``, and that mixture is this module's ``p``.
+
+The accept rule is written once, as lazy verdicts (``greedy_verdicts``,
+``sampled_verdicts``: which draft tokens pass, and the token drawn after each prefix) that
+``accept`` reads, with its random draws made by ``accept_draws``.  A single stream
+verifies with ``verify_greedy`` (the raw logits' argmax where it is sure to be the
+log-probabilities') and ``verify_sampled`` (row by row, up to the first rejection); a batch
+with ``verify_lazy`` (every row of every sequence, evaluated at once).  Both draw the same,
+so a seeded sequence emits the same tokens in a batch as alone.
 """
 
 from dataclasses import dataclass
@@ -129,12 +137,48 @@ def sample(logprobs: mx.array, params: SamplingParams) -> mx.array:
     return mx.random.categorical(filtered(logprobs, params) * (1.0 / params.temp))
 
 
-def accept_greedy(target_tokens: mx.array, draft: mx.array):
+def accept_draws(n: int, vocab: int) -> Tuple[mx.array, mx.array]:
+    """The accept rule's random draws, in their order: a uniform per draft token (none
+    without a draft), then one gumbel draw per vocabulary entry for the token after the
+    accepted drafts (``mx.random.categorical`` is the argmax of the log-probabilities plus
+    such a draw).  All are drawn first, so a seed gives the same text however far a block
+    gets, and a sequence draws the same in a batch as alone."""
+    u = mx.random.uniform(shape=(n,)) if n else mx.zeros((0,))
+    return u, mx.random.gumbel(shape=(vocab,))
+
+
+def greedy_verdicts(top: mx.array, draft: mx.array) -> Tuple[mx.array, mx.array]:
+    """Greedy verification, lazily: ok [n] (draft token i is the target's argmax ``top``
+    [n + 1] there) and the candidates (``top``: the target's token after any prefix)."""
+    return draft == top[: draft.shape[0]], top
+
+
+def sampled_verdicts(p: mx.array, q: Optional[mx.array], draft: mx.array, u: mx.array,
+                     noise: mx.array) -> Tuple[mx.array, mx.array]:
+    """Speculative rejection sampling, lazily, on target rows ``p`` [k, V] (``probs``): the
+    first m = len(draft) rows judge the draft tokens, drawn from the rows ``q`` [m, V], and a
+    row past them is the bonus row.  ok [m]: u * q(d) < p(d), draft token i is accepted;
+    candidates [k]: the token drawn if the first rejection is at row i, from
+    normalize(max(p - q, 0)), or from p at the bonus row.  ``u``, ``noise``: ``accept_draws``."""
+    m = draft.shape[0]
+    if not m:
+        return mx.zeros((0,), dtype=mx.bool_), mx.argmax(mx.log(p) + noise, axis=-1)
+    idx = draft[:, None]
+    ok = u * mx.take_along_axis(q, idx, axis=-1)[:, 0] < mx.take_along_axis(p[:m], idx, axis=-1)[:, 0]
+    rows = mx.concatenate([mx.maximum(p[:m] - q, 0), p[m:]])
+    return ok, mx.argmax(mx.log(rows) + noise, axis=-1)
+
+
+def accept(ok: List[bool], candidates: List[int]) -> Tuple[int, int]:
+    """The verdicts read: drafts accepted (up to the first rejection), and the token after them."""
+    accepted = next((i for i, m in enumerate(ok) if not m), len(ok))
+    return accepted, candidates[accepted]
+
+
+def accept_greedy(target_tokens: mx.array, draft: mx.array) -> Tuple[int, int]:
     """Longest prefix where the draft equals the target's argmax, and the bonus token."""
-    n = draft.shape[0]
-    match = (draft == target_tokens[:n]).tolist()
-    accepted = next((i for i, m in enumerate(match) if not m), n)
-    return accepted, int(target_tokens[accepted].item())
+    ok, candidates = greedy_verdicts(target_tokens, draft)
+    return accept(ok.tolist(), candidates.tolist())
 
 
 def clear_winners(rows: mx.array, top: mx.array) -> bool:
@@ -178,27 +222,33 @@ def verify_sampled(logits: mx.array, q: mx.array, draft: mx.array, params: Sampl
     ``logits`` [n + 1, V]: (accepted, token, logprobs of the rows up to the token's).
 
     q: [n, V] the rows the draft tokens were sampled from; p: the target's rows as mlx-lm
-    samples them (``probs``).  Accept draft[i] while u * q(d) < p(d); at the first
-    rejection sample from normalize(max(p - q, 0)); when all are accepted, sample the bonus
-    from p[n].  Rows are normalized one at a time up to the first rejection: each costs two
-    exps per vocabulary entry, and the rows after a rejection are never used.  The
-    uniforms are drawn all at once first, so a seed gives the same text however far it gets.
+    samples them (``probs``); the rule is ``sampled_verdicts``'.  Rows are normalized one at
+    a time up to the first rejection: each costs two exps per vocabulary entry, and the
+    rows after a rejection are never used.
     """
     n = draft.shape[0]
-    if n:
-        u = mx.random.uniform(shape=(n,))
-        q_d = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+    u, noise = accept_draws(n, logits.shape[-1])
     rows = []
     for i in range(n + 1):
         rows.append(log_softmax(logits[i : i + 1]))
-        p = probs(rows[-1], params)[0]
-        if i == n:
-            token = mx.random.categorical(mx.log(p))
-        elif not (u[i] * q_d[i] < p[draft[i]]).item():
-            token = mx.random.categorical(mx.log(mx.maximum(p - q[i], 0)))
-        else:
-            continue
-        return i, int(token.item()), mx.concatenate(rows)
+        ok, token = sampled_verdicts(probs(rows[-1], params), q[i : i + 1] if i < n else None,
+                                     draft[i : i + 1], u[i : i + 1], noise)
+        if i == n or not ok.item():
+            return i, int(token.item()), mx.concatenate(rows)
+
+
+def verify_lazy(logprobs: mx.array, draft: Optional[mx.array], q: Optional[mx.array],
+                params: SamplingParams) -> Tuple[mx.array, mx.array]:
+    """One sequence's verification as lazy verdicts (ok [n], candidates [n + 1]), so that a
+    batch of them is evaluated at once and read by ``accept``: the rule and the draws of
+    ``verify_greedy`` / ``verify_sampled``, on every row of processed ``logprobs`` at once.
+    ``draft`` None: a plain step, drawn as ``sample`` draws it."""
+    if draft is None:
+        return mx.zeros((0,), dtype=mx.bool_), sample(logprobs, params)
+    if params.greedy:
+        return greedy_verdicts(mx.argmax(logprobs, axis=-1), draft)
+    p = probs(logprobs, params)
+    return sampled_verdicts(p, q, draft, *accept_draws(draft.shape[0], p.shape[-1]))
 
 
 def xtc_special_tokens(tokenizer) -> List[int]:
