@@ -70,7 +70,7 @@ class Joined:
         self.start.reused = c.reused  # what the client is told it reused: the prompt's
         for t in c.tokens:  # the text already sent: the detokenizer resumes after it
             self.detokenizer.add_token(t)
-        self.detokenizer.last_segment
+        self.detokenizer.last_segment  # read, so that the next segment starts after that text
 
     def stats(self, st):
         """Its draft statistics over both parts (``st``: the batch's for it)."""

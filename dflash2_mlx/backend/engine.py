@@ -44,7 +44,7 @@ from .stats import EngineStats
 from .wire import Chunk, Completion, EngineError, InvalidOption, PromptTooLong, QueueFull, collect
 from .worker import worker as default_worker
 
-# Chunk, Completion and the errors are the engine's surface: importable from here, as before.
+# The engine's surface: callers import Chunk, Completion and the errors from here.
 __all__ = ["Engine", "Chunk", "Completion", "EngineError", "InvalidOption", "PromptTooLong", "QueueFull"]
 
 log = logging.getLogger("dflash2_mlx.engine")
@@ -52,6 +52,8 @@ _ids = itertools.count(1)
 
 
 class Engine:
+    """One model served: its settings, its loaded pair, its line of requests and its batch."""
+
     def __init__(self, model_path, settings: Optional[ModelSettings] = None, *,
                  draft: Optional[str] = None, model_id: Optional[str] = None,
                  max_queue: int = 8, default_max_tokens: int = 512, worker=None,
