@@ -6,6 +6,8 @@ lengths, block sizes 1..8 and changing ones, stop tokens, an abort and a late jo
 logits processors per sequence, reused prefixes, attention-only and hybrid (recurrent)
 targets, and the batch caches after every cycle."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,9 +15,10 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
-from dflash2_mlx.batch import cache as batch_cache
-from dflash2_mlx.adaptive import CostModel, best_block
+from dflash2_mlx import adaptive
+from dflash2_mlx.adaptive import CostModel, Timing, best_block
 from dflash2_mlx.batch import BatchCosts, BatchGenerator, batch_generate, prefill_groups
+from dflash2_mlx.batch import cache as batch_cache
 from dflash2_mlx.batch.cache import draft_hidden
 from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.sampling import SamplingParams
@@ -377,8 +380,6 @@ def test_batch_costs_priced_by_their_timing():
     """Cycles priced at what the batch's cycles really took, per stream count: drafted
     cycles at 2 streams that took 3x their price send 2 streams to plain steps, and leave
     one stream's choice (and an untimed model's) as it was."""
-    from dflash2_mlx.adaptive import Timing
-
     cpu = CostModel({1: (1.0, 0.001), 8: (1.7, 0.002)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
     timed, untimed = BatchCosts(cpu, Timing()), BatchCosts(cpu)
     rates = [0.6] * 7
@@ -435,8 +436,6 @@ def test_the_batch_times_plain_steps_and_drafted_cycles_after_drafted_ones(pairs
 def test_batch_timing_is_kept_for_the_next_process(pairs, tmp_path, monkeypatch):
     """"auto" over a batch times its cycles into the process's timing of the pair (beside
     the single streams'), and ``close`` saves it for the next process."""
-    from dflash2_mlx import adaptive
-
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     model, tok, drafter = pairs["qwen3"]
     target = attach(model, drafter)
@@ -461,8 +460,6 @@ def test_adaptive_policy_sees_the_batch(pairs):
     """Block size "auto" over a batch: the policy's costs follow the batch's size as
     sequences leave, it drafts (drafts are nearly free here), and every sequence still
     emits its plain tokens."""
-    from dflash2_mlx import adaptive
-
     model, tok, drafter = pairs["qwen3"]
     gpu = CostModel({1: (1.0, 0.0), 8: (1.0, 0.0)}, {2: (0.05, 0.0), 8: (0.05, 0.0)})
     costs = BatchCosts(gpu)
@@ -480,8 +477,6 @@ def test_adaptive_policy_sees_the_batch(pairs):
 
 
 def test_sliding_window_target_is_refused(tmp_path):
-    import json
-
     make_target(tmp_path / "t", "llama", alphabet="abcd", seed=3)
     config = json.loads((tmp_path / "t" / "config.json").read_text())
     config.update(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8)

@@ -16,11 +16,11 @@ temperature.
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import dflash2_mlx as d
-from dflash2_mlx.loop.sampling import (SamplingParams, accept, log_softmax, verify_greedy, verify_lazy,
-                                       verify_sampled)
+from dflash2_mlx.loop.sampling import (SamplingParams, accept, log_softmax, probs, verify_greedy,
+                                       verify_lazy, verify_sampled)
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from helpers import ref_probs, exact_joint, chi2_pvalue, params_of
@@ -130,10 +130,6 @@ def test_copied_blocks_follow_target_distribution(setup, kw, accepts):
 def test_xtc_mixture_is_mlx_lms_sampler(temp, top_k, min_p, xtc):
     """``probs`` with XTC is the distribution of mlx-lm's own sampler (a coin per token, then
     its chain), checked against draws of ``make_sampler`` and the numpy reference."""
-    from mlx_lm.sample_utils import make_sampler
-
-    from dflash2_mlx.loop.sampling import log_softmax, probs
-
     logits = np.log(np.array([0.3, 0.25, 0.2, 0.12, 0.08, 0.05])) + 0.3
     params = params_of(dict(temp=temp, top_k=top_k, min_p=min_p, xtc=xtc))
     ours = np.array(probs(log_softmax(mx.array(logits, dtype=mx.float32)[None]), params)[0])
