@@ -12,8 +12,6 @@ app = typer.Typer(
     add_completion=False,
 )
 
-
-
 # Commands that run models: on the Linux CPU they are several times slower without OpenBLAS.
 COMPUTE_COMMANDS = {"generate", "serve", "bench", "eval", "train"}
 
@@ -22,7 +20,7 @@ COMPUTE_COMMANDS = {"generate", "serve", "bench", "eval", "train"}
 def main(ctx: typer.Context):
     """DFlash 2 speculative decoding for MLX."""
     if ctx.invoked_subcommand in COMPUTE_COMMANDS:
-        from ..machine.doctor import blas_hint
+        from ..machine.doctor import blas_hint  # imports MLX: not for --help or the light commands
 
         hint = blas_hint()
         if hint:

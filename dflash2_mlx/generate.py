@@ -17,7 +17,8 @@ from .loop.draft_context import DraftContext
 from .model.drafter import Drafter
 from .model.checkpoint import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
 from .loop.sampling import SamplingParams
-from .loop.cycle import kv_offset, speculative_generate_step
+from .loop.cycle import speculative_generate_step
+from .loop.kv_quant import kv_offset
 from .loop.target import attach
 
 VERIFY_MODES = ("dflash", "adaptive", "off")
@@ -61,6 +62,8 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
     drafter shipped for it.  Returns (model, tokenizer, drafter); drafter is None when a
     ``target`` is given without ``draft``."""
     if target is None:
+        # Imported here: the built-in pair's converter needs the GGUF packages, which loading
+        # any other pair (and ``import dflash2_mlx``) does not.
         from .builtin.defaults import default_pair
 
         target, shipped = default_pair()
@@ -166,13 +169,13 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
-    ``block_size`` ("auto": chosen every cycle, see ``adaptive.py``; a number fixes it);
+    ``block_size`` ("auto": chosen every cycle, see ``adaptive``; a number fixes it);
     ``verify_mode="adaptive"`` is "auto" with a number as the largest block;
     ``verify_mode="off"`` (or no drafter) is plain autoregressive decoding.
     ``draft_window``: how many of the latest context rows a draft reads (None: all), besides
     the first ``draft_sink`` rows, which it always reads.
     ``lookup``: where the sequence repeats itself a block may be a copy of what followed
-    the repeated tokens before (``lookup.py``); False: every block is the drafter's.
+    the repeated tokens before (``loop/lookup.py``); False: every block is the drafter's.
     A reused prefix (the server's prefix cache): ``prompt_cache`` (and with DFlash
     ``draft_context``) already hold the first ``cached_tokens`` prompt tokens.
     A ``prompt_cache`` given without ``draft_context`` is used as mlx-lm uses it: the prompt
@@ -196,42 +199,17 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     limit = max_tokens if max_tokens > 0 else float("inf")
     if seed is not None:
         mx.random.seed(seed)
-
+    # What both kinds of decoding take, under the same names as mlx-lm's generate_step.
+    shared = dict(logits_processors=logits_processors, prompt_cache=prompt_cache,
+                  prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                  quantized_kv_start=quantized_kv_start)
     tic = time.perf_counter()
     policy = None
     if drafter is not None and verify_mode != "off":
-        block_size = check_block_size(drafter, block_size)
-        target = attach(model, drafter)
-        if prompt_cache is not None:
-            target.check_cache(prompt_cache)
-        chat = prompt_cache is not None and draft_context is None  # mlx-lm's use of a prompt cache
-        if chat:
-            draft_context = chat_context(prompt_cache, drafter, draft_window, draft_sink)
-        # "auto" measures the machine's costs on a pair's first request (about three seconds).
-        # Sampling with a seed starts without the pair's history (same seed and costs, same
-        # text); greedy text is the target's whatever the block sizes, so it always uses it.
-        policy = adaptive.policy(
-            target, drafter, adaptive.AUTO if verify_mode == "adaptive" else block_size,
-            greedy=params.greedy, history=seed is None or params.greedy,
-            largest=None if block_size == adaptive.AUTO else block_size)
-        tokens = speculative_generate_step(
-            ids, target, drafter, max_tokens=limit, params=params,
-            logits_processors=logits_processors, block_size=policy,
-            prefill_step_size=prefill_step_size, draft_window=draft_window, draft_sink=draft_sink,
-            prompt_cache=prompt_cache, context=draft_context, cached_tokens=cached_tokens,
-            lookup=lookup, settle=chat, kv_bits=kv_bits, kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-        )
+        policy, tokens = _dflash_steps(model, drafter, ids, params, limit, block_size, verify_mode, seed,
+                                      draft_window, draft_sink, draft_context, cached_tokens, lookup, **shared)
     else:
-        sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0, min_p, min_tokens_to_keep, top_k=top_k,
-                               xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-                               xtc_special_tokens=list(params.xtc_special_tokens))
-        plain = generate_step(ids[cached_tokens:], model, max_tokens=max_tokens, sampler=sampler,
-                              logits_processors=logits_processors, prompt_cache=prompt_cache,
-                              prefill_step_size=prefill_step_size, kv_bits=kv_bits,
-                              kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
-        tokens = ((int(t), lp, False, None) for t, lp in plain)
-
+        tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
     try:
         yield from _responses(tokens, tokenizer, ids, limit, tic)
     finally:
@@ -239,19 +217,60 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
         adaptive.remember(policy)
 
 
+def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams, limit, block_size,
+                 verify_mode: str, seed: Optional[int], draft_window: Optional[int], draft_sink: int,
+                 draft_context, cached_tokens: int, lookup: bool, prompt_cache: Optional[list] = None,
+                 **shared):
+    """(the block-size policy, the DFlash cycles' (token, logprobs, from_draft, stats)).  A
+    ``prompt_cache`` without a ``draft_context`` is mlx-lm's use of one: the drafter's context
+    is the one kept beside it (``chat_context``), and the cache is settled when the steps end."""
+    block_size = check_block_size(drafter, block_size)
+    target = attach(model, drafter)
+    if prompt_cache is not None:
+        target.check_cache(prompt_cache)
+    chat = prompt_cache is not None and draft_context is None
+    if chat:
+        draft_context = chat_context(prompt_cache, drafter, draft_window, draft_sink)
+    policy = _block_policy(target, drafter, block_size, verify_mode, params.greedy, seed)
+    return policy, speculative_generate_step(
+        ids, target, drafter, max_tokens=limit, params=params, block_size=policy,
+        draft_window=draft_window, draft_sink=draft_sink, prompt_cache=prompt_cache,
+        context=draft_context, cached_tokens=cached_tokens, lookup=lookup, settle=chat, **shared)
+
+
+def _block_policy(target, drafter: Drafter, block_size, verify_mode: str, greedy: bool, seed: Optional[int]):
+    """The block-size policy of one request (``adaptive.policy``).  "auto" measures the
+    machine's costs on a pair's first request (``adaptive.calibrate``).  Sampling with a seed
+    starts without the pair's history (same seed and costs, same text); greedy text is the
+    target's whatever the block sizes, so it always uses it."""
+    return adaptive.policy(target, drafter, adaptive.AUTO if verify_mode == "adaptive" else block_size,
+                           greedy=greedy, history=seed is None or greedy,
+                           largest=None if block_size == adaptive.AUTO else block_size)
+
+
+def _plain_steps(model, ids: mx.array, max_tokens: int, params: SamplingParams, **shared):
+    """mlx-lm's own decoding (``generate_step``), as (token, logprobs, False, None)."""
+    sampler = make_sampler(params.temp, params.top_p if params.top_p < 1.0 else 0.0, params.min_p,
+                           params.min_tokens_to_keep, top_k=params.top_k,
+                           xtc_probability=params.xtc_probability, xtc_threshold=params.xtc_threshold,
+                           xtc_special_tokens=list(params.xtc_special_tokens))
+    return ((int(t), lp, False, None) for t, lp in generate_step(ids, model, max_tokens=max_tokens,
+                                                                  sampler=sampler, **shared))
+
+
 # A prompt cache's first layer -> the drafter context of the tokens it holds, for mlx-lm's
 # use of a prompt cache (the caller keeps only the target's cache from turn to turn).
-_chat_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+chat_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def chat_context(prompt_cache: list, drafter: Drafter, window: Optional[int], sink: int) -> DraftContext:
     """The drafter context of the tokens ``prompt_cache`` holds, kept from the call that left
     them there; a fresh one (this call's tokens only) where none matches the cache."""
-    context = _chat_contexts.get(prompt_cache[0])
+    context = chat_contexts.get(prompt_cache[0])
     if (context is None or context.drafter is not drafter or (context.window, context.sink) != (window, sink)
             or context.size != kv_offset(prompt_cache)):
         context = DraftContext(drafter, window, sink)
-    _chat_contexts[prompt_cache[0]] = context
+    chat_contexts[prompt_cache[0]] = context
     return context
 
 

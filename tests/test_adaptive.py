@@ -15,11 +15,13 @@ import dflash2_mlx as d
 from dflash2_mlx import adaptive
 from dflash2_mlx.adaptive import Acceptance, Adaptive, CostModel, best_block, expected_tokens
 from dflash2_mlx.generate import blocks_text, stats_line
-from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.draft_context import DraftContext
+from dflash2_mlx.loop.plain import shadow_chance
+from dflash2_mlx.loop.sampling import SamplingParams, log_softmax, sample, verify_sampled
 from dflash2_mlx.loop.target import attach
-from helpers import chi2_pvalue, exact_joint
-from helpers import cache_arrays, plain_tokens
+from dflash2_mlx.model.drafter import propose
+from helpers import cache_arrays, chi2_pvalue, exact_joint, plain_tokens
 from tiny_models import looping_pair, make_drafter, make_target
 
 # A CPU-like machine: each extra verified row costs 10% of a decode step, a draft 20%.
@@ -32,21 +34,17 @@ class Scripted:
     """A policy that walks a fixed list of block sizes (then repeats it); every other
     plain step carries a shadow probe."""
 
-    fallback = False
-
     def __init__(self, sizes):
         self.sizes, self.i, self.largest = list(sizes), 0, max(sizes)
         self.copy_largest = self.largest
         self.plain, self.chances = 0, []
 
-    copying = False
-
-    def block_size(self, context, copy=0):
+    def choose(self, context, copy=0):
         b = self.sizes[self.i % len(self.sizes)]
         self.i += 1
-        return b
+        return adaptive.Choice(b)
 
-    def record(self, b, accepted):
+    def record(self, b, accepted, copy=False):
         pass
 
     def timed(self, b, seconds, copy=False):
@@ -267,8 +265,6 @@ def test_caches_equal_fresh_prefill_with_changing_block_size(pair, family, temp)
 
 
 def test_draft_context_fed_late_equals_fed_every_step(pair):
-    from dflash2_mlx.loop.draft_context import DraftContext
-
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
     ids = mx.array([tok.encode("abcd dcba abca")])
@@ -374,19 +370,20 @@ def test_copy_or_draft_by_expected_tokens_per_second():
     good, bad = Acceptance([20.0] * 7, [19.0] * 7), Acceptance([20.0] * 7, [0.0] * 7)
     policy = Adaptive(CPU, 8, Acceptance([20.0] * 7, [10.0] * 7))
     policy.copies = good
-    assert policy.block_size(100, copy=7) == 8 and policy.copying
-    policy.record(8, 7)
+    assert policy.choose(100, copy=7) == adaptive.Choice(8, copy=True)
+    policy.record(8, 7, copy=True)
     assert policy.copies.accepted[6] > 19.0 and policy.acceptance.reached[0] == 20.0  # only copies learned
-    assert policy.block_size(100, copy=3) == 4 and policy.copying  # no longer than the copy
+    assert policy.choose(100, copy=3) == adaptive.Choice(4, copy=True)  # no longer than the copy
     policy.copies = bad
-    b = policy.block_size(100, copy=7)
-    assert b > 1 and not policy.copying
-    assert policy.block_size(100) == b and not policy.copying  # nothing on offer: the drafter
+    choice = policy.choose(100, copy=7)
+    assert choice.block > 1 and not choice.copy
+    assert policy.choose(100) == choice  # nothing on offer: the drafter
     # A request's first copy is tried even beside a drafter accepted well: the copies' prior
     # (COPY_PRIOR_RATE) is what copies were measured to reach, not the drafter's guess.
     fresh = Adaptive(CPU, 8, Acceptance([20.0] * 7, [14.0] * 7))
     assert fresh.copies.rates()[0] == pytest.approx(adaptive.COPY_PRIOR_RATE)
-    assert fresh.block_size(100, copy=7) > 4 and fresh.copying
+    choice = fresh.choose(100, copy=7)
+    assert choice.block > 4 and choice.copy
 
 
 def test_shadow_probes_bring_drafting_back_sooner(tmp_path):
@@ -418,11 +415,6 @@ def test_shadow_probes_bring_drafting_back_sooner(tmp_path):
 def test_shadow_chance_is_a_block_2_drafts_acceptance(tmp_path, version):
     """At T=1 a shadow probe's chance is exactly the chance that verifying a block-2 draft
     from the same place accepts its draft: compared with 3000 such verifications."""
-    from dflash2_mlx.loop.draft_context import DraftContext
-    from dflash2_mlx.model.drafter import propose
-    from dflash2_mlx.loop.sampling import log_softmax, sample, verify_sampled
-    from dflash2_mlx.loop.cycle import shadow_chance
-
     make_target(tmp_path / "t", "qwen3", alphabet="abcd", seed=5)
     make_drafter(tmp_path / "d", tmp_path / "t", version=version, seed=11)
     model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
@@ -454,7 +446,7 @@ def test_shadow_chance_is_a_block_2_drafts_acceptance(tmp_path, version):
 
 def test_stream_generate_reports_block_sizes(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive._costs.clear()
+    adaptive.cost_models.clear()
     model, tok, drafter = pair["qwen3"]
     ref = plain_tokens(model, tok.encode("abc dab"), 16)
     rs = list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16))
@@ -476,7 +468,7 @@ def test_stream_generate_reports_block_sizes(pair, tmp_path, monkeypatch):
 
 def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive._costs.clear()
+    adaptive.cost_models.clear()
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
     costs = adaptive.cost_model(target, drafter)
@@ -488,12 +480,12 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     assert all(costs.cycle(b, short) <= costs.cycle(b + 1, short) + 1e-12 for b in range(1, 8))
     assert all(s >= 0 for _, s in list(costs.target.values()) + list(costs.drafter.values()))
     assert adaptive.cost_model(target, drafter) is costs  # in memory: nothing measured again
-    adaptive._costs.clear()
+    adaptive.cost_models.clear()
     assert adaptive.cost_model(target, drafter).created == costs.created  # from disk
     stale = json.loads(files[0].read_text())
     stale["created"] = time.time() - adaptive.STALE_AFTER_S - 1
     files[0].write_text(json.dumps(stale))
-    adaptive._costs.clear()
+    adaptive.cost_models.clear()
     assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again
     extra = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1), sizes=[4])
     assert set(extra.target) == set(range(1, 9)) | {12, 15} and set(extra.drafter) == {2, 4, 8}
@@ -539,7 +531,7 @@ def test_seeded_requests_use_the_history_only_when_greedy(pair, tmp_path, monkey
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
-    adaptive._costs[adaptive.cost_key(target, drafter)] = CostModel(CPU.target, CPU.drafter)
+    adaptive.cost_models[adaptive.cost_key(target, drafter)] = CostModel(CPU.target, CPU.drafter)
     weak = Acceptance.empty(7)
     for _ in range(20):
         weak.record(8, 0)
@@ -550,7 +542,7 @@ def test_seeded_requests_use_the_history_only_when_greedy(pair, tmp_path, monkey
         for r in d.stream_generate(model, tok, "abcab dcba", drafter, max_tokens=8, temp=temp, seed=1,
                                    lookup=False):
             sizes[temp] = r.block_sizes
-    adaptive._costs.clear()
+    adaptive.cost_models.clear()
     assert set(sizes[0.0]) == {1}  # the history says this drafter is weak here: plain
     assert max(sizes[1.0]) > 1  # no history: the prior says draft
 
@@ -611,7 +603,7 @@ def test_timing_is_kept_for_measured_costs_and_the_next_process(pair, tmp_path, 
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
     key = adaptive.cost_key(target, drafter)
-    adaptive._costs[key] = measured = CostModel(CPU.target, CPU.drafter)
+    adaptive.cost_models[key] = measured = CostModel(CPU.target, CPU.drafter)
     try:
         chosen = adaptive.policy(target, drafter)
         assert isinstance(chosen.costs, adaptive.Corrected)
@@ -622,17 +614,17 @@ def test_timing_is_kept_for_measured_costs_and_the_next_process(pair, tmp_path, 
         list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16))
         observed = dict(adaptive.timing_for(key, measured).observed)
         assert observed and all(v > 0 for v in observed.values())
-        adaptive._timings.clear()  # a new process: the timing comes from disk
+        adaptive.timings.clear()  # a new process: the timing comes from disk
         assert adaptive.policy(target, drafter).costs.timing.observed == pytest.approx(observed)
-        adaptive._timings.clear()  # ... unless it corrected another calibration
+        adaptive.timings.clear()  # ... unless it corrected another calibration
         recalibrated = CostModel(CPU.target, CPU.drafter, created=measured.created + 1)
         assert adaptive.timing_for(key, recalibrated).observed == {}
-        adaptive._timings.clear()
+        adaptive.timings.clear()
         adaptive.timing_path(key).write_text("{not json")
         assert adaptive.timing_for(key, measured).observed == {}
     finally:
-        adaptive._costs.clear()
-        adaptive._timings.clear()
+        adaptive.cost_models.clear()
+        adaptive.timings.clear()
 
 
 # --- sampling stays exact -------------------------------------------------------------------------

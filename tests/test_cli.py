@@ -6,9 +6,15 @@ import shutil
 import subprocess
 import sys
 
+import mlx.core as mx
+import mlx_lm
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import dflash2_mlx as d
+from dflash2_mlx.loop.sampling import xtc_special_tokens
 from dflash2_mlx.machine.doctor import openblas_path
 from tiny_models import make_drafter, make_target
 
@@ -107,12 +113,6 @@ def test_xtc_and_min_tokens_to_keep_as_mlx_lm_generate_has_them(pair):
     EOS), so a seed gives mlx-lm's text (seeded where generation starts: mlx_lm.generate
     seeds before loading the model, whose initialisation draws from the same stream); DFlash
     takes them as the Python API does."""
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
-
-    from dflash2_mlx.loop.sampling import xtc_special_tokens
-
     opts = ["--prompt", "abcab dcba", "--max-tokens", "24", "--temp", "1.0", "--min-p", "0.05",
             "--min-tokens-to-keep", "2", "--xtc-probability", "0.9", "--xtc-threshold", "0.05", "--seed", "4"]
     model, tok, drafter = d.load(str(pair / "t"), str(pair / "d"))
@@ -188,12 +188,7 @@ def test_max_kv_size_as_mlx_lm_generate_has_it_when_decoding_plain(pair):
 def make_adapter(target, path, seed=7):
     """LoRA adapters for ``target`` as mlx_lm.lora writes them, with random (non-zero) B
     matrices so that they change the model's text."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm import load
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    model, _ = load(str(target))
+    model, _ = mlx_lm.load(str(target))
     config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4, "scale": 20.0, "dropout": 0.0}}
     model.freeze()  # as mlx_lm.lora does: only the LoRA matrices train, and are saved
     linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"])

@@ -13,8 +13,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import dflash2_mlx as d
-from dflash2_mlx.model.checkpoint import CheckpointError, load_drafter, quantize, save_drafter
+from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.target import attach
+from dflash2_mlx.model.checkpoint import CheckpointError, load_drafter, quantize, save_drafter
+from dflash2_mlx.model.drafter import propose
 from helpers import dflash_tokens, plain_tokens
 from tiny_models import SPECIALS, make_drafter, make_target
 
@@ -71,9 +73,6 @@ def test_draft_logits_are_the_head_rows(pair, quantized):
 
 def test_proposals_stay_inside_the_draft_vocab(pair):
     _, model, tok, drafters, vocab = pair
-    from dflash2_mlx.model.drafter import propose
-    from dflash2_mlx.loop.sampling import SamplingParams
-
     for v in (1, 2):
         drafter = drafters[v]
         target = attach(model, drafter)

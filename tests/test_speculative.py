@@ -1,18 +1,22 @@
 """Greedy parity with plain mlx-lm decoding, and cache rollback after every cycle."""
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
 from dflash2_mlx.adaptive import COPY_LARGEST
-from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.generate import chat_contexts
 from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.sampling import SamplingParams, accept_greedy, clear_winners, log_softmax, verify_greedy
 from dflash2_mlx.loop.target import attach
-from helpers import plain_tokens, dflash_tokens, cache_arrays
+from helpers import cache_arrays, dflash_tokens, plain_tokens
 from tiny_models import looping_pair, make_drafter, make_target
 
 FAMILIES = ["llama", "llama_sliding", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
@@ -83,9 +87,6 @@ def test_a_chat_through_one_prompt_cache_is_mlx_lms(pairs, family):
     one read). Every turn's tokens and the cache's length after it are
     mlx_lm.stream_generate's, whether a turn ends at max_tokens, at its end of sequence or
     where its reader stops."""
-    import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
-
     model, tok, drafters = pairs[family]
     turns = ["abcab dcba", "dd cc", "a b c d", "bbbb", "cab"]
 
@@ -115,10 +116,6 @@ def test_a_chat_through_one_prompt_cache_keeps_the_drafters_context(pairs):
     """Beside a prompt cache used as mlx-lm uses it, the drafter's context of the same tokens
     is kept from turn to turn (one row per token the cache holds); a cache that another
     generator has moved on gets a fresh one."""
-    import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from dflash2_mlx.generate import _chat_contexts
 
     model, tok, drafters = pairs["qwen3"]
     cache, seen = make_prompt_cache(model), []
@@ -127,12 +124,12 @@ def test_a_chat_through_one_prompt_cache_keeps_the_drafters_context(pairs):
                                                 block_size=4, prompt_cache=cache)):
             if i == 1 and n == 4:  # a reader that stops early
                 break
-        seen.append(_chat_contexts[cache[0]])
+        seen.append(chat_contexts[cache[0]])
         assert seen[-1].size == cache[0].offset > 0
     assert seen[0] is seen[1] is seen[2]
     list(mlx_lm.stream_generate(model, tok, tok.encode("bbbb"), max_tokens=5, prompt_cache=cache))
     list(d.stream_generate(model, tok, tok.encode("cab"), drafters[2], max_tokens=5, prompt_cache=cache))
-    fresh = _chat_contexts[cache[0]]
+    fresh = chat_contexts[cache[0]]
     assert fresh is not seen[0] and fresh.size < cache[0].offset  # only its own turn's tokens
 
 
@@ -173,9 +170,6 @@ def test_kv_bits_as_mlx_lm_quantizes(kv_pairs, family, kv_bits, start):
 def test_kv_bits_in_a_chat_through_one_prompt_cache(kv_pairs, start):
     """Quantization starting somewhere in a chat kept in one prompt cache (as mlx-lm keeps
     it): every turn's tokens, the cache's length and whether it is quantized are mlx-lm's."""
-    import mlx_lm
-    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
-
     model, tok, drafter = kv_pairs["qwen3"]
     kv = dict(kv_bits=2, kv_group_size=32, quantized_kv_start=start)
     procs = make_logits_processors(logit_bias={1: -100.0})
@@ -204,8 +198,6 @@ def test_a_max_kv_size_cache_is_refused_with_dflash(pairs):
     of: a verify pass would read more keys than one-token steps (not mlx-lm's text), so
     DFlash refuses it by name; plain decoding runs it as mlx-lm does. A model's own sliding
     layers (llama_sliding) are no such cache."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     model, tok, drafters = pairs["qwen3"]
     with pytest.raises(ValueError, match="bounds layer 0 to 16 tokens .mlx-lm's max_kv_size."):
         list(d.stream_generate(model, tok, "abc", drafters[2], max_tokens=4,
@@ -246,14 +238,12 @@ def test_emitted_logprobs_match_mlx_lm(pairs):
 
 
 def _reference_accept(logits, draft):
-    from dflash2_mlx.loop.sampling import accept_greedy, log_softmax
     logprobs = log_softmax(logits)
     accepted, bonus = accept_greedy(mx.argmax(logprobs, axis=-1), draft)
     return accepted, bonus, logprobs
 
 
 def test_verify_greedy_equals_the_full_rule_on_random_rows():
-    from dflash2_mlx.loop.sampling import verify_greedy
     rng = np.random.default_rng(0)
     seen = set()
     for trial in range(200):
@@ -277,7 +267,6 @@ def test_verify_greedy_follows_logprobs_where_rounding_ties_logits(draft_token):
     """Logits 1.0 everywhere but one ulp more at index 7: after subtracting the log-sum both
     round to one value, so mlx-lm's argmax over log-probabilities picks index 0 where the
     raw logits' argmax says 7.  Acceptance must follow the log-probabilities either way."""
-    from dflash2_mlx.loop.sampling import log_softmax, verify_greedy
     row = np.ones(1000, dtype=np.float32)
     row[7] = np.nextafter(np.float32(1.0), np.float32(2.0))
     logits = mx.array(np.stack([row, row]))
@@ -355,8 +344,6 @@ def test_cache_equals_fresh_prefill_after_every_cycle(pairs, family, temp):
 def test_quantized_target_agreement(tmp_path, family):
     """4-bit targets: verify (B rows) and decode (1 row) use different quantized matmul
     kernels, so exact parity is not guaranteed; measure agreement and require it high."""
-    import mlx.nn as nn
-
     make_target(tmp_path / "t", family, alphabet="abcd", seed=3)
     make_drafter(tmp_path / "d", tmp_path / "t", version=2)
     model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
@@ -386,7 +373,6 @@ def test_chunked_prefill_parity(pairs, family):
 def test_clear_winners_margin():
     """Rows whose two largest logits are far apart skip the log-softmax; rows within the
     rounding margin (one ulp, or a few eps) do not."""
-    from dflash2_mlx.loop.sampling import clear_winners
     far = mx.array([[0.0, 3.0, 1.0], [2.0, -1.0, 1.9]])
     assert clear_winners(far, mx.argmax(far, axis=-1))
     one = np.float32(1.0)

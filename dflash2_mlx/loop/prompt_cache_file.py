@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
+
 QUERY = "<query>"
 
 
@@ -19,8 +21,6 @@ def read_prompt_cache(path, model: Optional[str] = None, kv_bits: Optional[int] 
     """(cache, the model it was made with, its tokenizer config), checked as mlx_lm.generate
     checks them: ``model``, when given, must be that model; a quantized cache must have
     ``kv_bits`` (when given) and ``kv_group_size`` of its own."""
-    from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompt cache file {path}: no such file")

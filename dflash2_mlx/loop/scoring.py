@@ -8,7 +8,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..model.selector import top_candidates
 
-# Rows of full-vocabulary log-probabilities held at once (49k vocabulary: ~50 MB in fp32).
+# Rows of full-vocabulary log-probabilities held at once: bounds the memory of scoring a long prompt.
 CHUNK = 256
 
 

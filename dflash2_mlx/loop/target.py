@@ -93,7 +93,7 @@ class Target:
 
     def head_rows(self, ids: mx.array) -> Callable:
         """The LM head restricted to the rows ``ids``: a drafter with a draft vocabulary
-        reads 8192 rows instead of the whole vocabulary."""
+        reads only its own rows, not the whole vocabulary's."""
         m = self.head_module
         bias = m["bias"][ids] if "bias" in m else None
         if "scales" in m:

@@ -1,0 +1,199 @@
+"""The cost model: the seconds of a target pass over b rows and of a drafter step with block
+b, each as ``base + slope * context``; measured once per (target, drafter, machine) by
+``calibrate`` and kept on disk and in memory by ``cost_model``."""
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..loop.sampling import SamplingParams
+from ..machine.identity import identity
+from ..model.drafter import propose
+from . import store
+
+STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
+CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
+PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
+CALIBRATION = 5  # bumped when calibrate() measures differently: older cost files are remeasured
+# Rows a copy may verify when the block size is chosen ("auto"): a copy is not bound to the
+# drafter's trained block, and a loop is accepted far; 15 is the widest verify the CPU split
+# computes in two halves (cpu_split.MAX_ROWS).  Calibrated at COPY_ROWS, interpolated between.
+COPY_LARGEST = 15
+COPY_ROWS = (12, COPY_LARGEST)
+
+Line = Tuple[float, float]  # (seconds at context 0, extra seconds per context token)
+
+
+def interp(points: Dict[int, Line], b: int) -> Line:
+    """Piecewise-linear interpolation of the measured lines over block sizes."""
+    keys = sorted(points)
+    if b <= keys[0] or b >= keys[-1]:
+        return points[keys[0] if b <= keys[0] else keys[-1]]
+    hi = next(k for k in keys if k >= b)
+    lo = max(k for k in keys if k <= b)
+    if hi == lo:
+        return points[lo]
+    w = (b - lo) / (hi - lo)
+    return tuple((1 - w) * x + w * y for x, y in zip(points[lo], points[hi]))
+
+
+@dataclass
+class CostModel:
+    """Seconds of the parts of a cycle: ``target[b]`` (a verify pass over b rows) and
+    ``drafter[b]`` (feeding, drafting and proposing a block of b), as (base, per token)."""
+    target: Dict[int, Line]
+    drafter: Dict[int, Line]
+    created: float = field(default_factory=time.time)
+    calibration_s: float = 0.0
+
+    def cycle(self, b: int, context: int) -> float:
+        seconds = self.verify(b, context)
+        return seconds + self.draft(b, context) if b > 1 else seconds
+
+    def verify(self, b: int, context: int) -> float:
+        base, slope = interp(self.target, b)
+        return base + slope * context
+
+    def draft(self, b: int, context: int) -> float:
+        base, slope = interp(self.drafter, b)
+        return base + slope * context
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        lines = lambda d: {int(k): tuple(v) for k, v in d.items()}
+        return cls(lines(data["target"]), lines(data["drafter"]), data["created"],
+                   data.get("calibration_s", 0.0))
+
+
+def _pad(cache, n: int):
+    """Grow every attention cache by ``n`` zero rows: attention then costs what it costs
+    at that context, without a prefill (recurrent caches do not grow)."""
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        if isinstance(keys, mx.array) and keys.ndim == 4:
+            shape = (keys.shape[0], keys.shape[1], n, keys.shape[3])
+            c.update_and_fetch(mx.zeros(shape, keys.dtype), mx.zeros(shape[:3] + c.values.shape[3:],
+                                                                     c.values.dtype))
+    mx.eval([c.state for c in cache])
+
+
+def _timed(fn) -> float:
+    tic = time.perf_counter()
+    fn()
+    return time.perf_counter() - tic
+
+
+def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = (3, 8),
+              sizes: Optional[List[int]] = None) -> CostModel:
+    """Measure target passes over every block up to 8 rows (and B, and COPY_ROWS for copies
+    wider than B) and drafter steps with blocks 2 and B (and ``sizes``) at a short context,
+    1 and B rows at a long one, and fit ``base + slope * context`` per block size (others
+    are interpolated).  Every small block is measured because a verify pass's cost is far
+    from linear in its rows: a middle block interpolated from its neighbours is priced
+    below its cost, which sends adaptive decoding to blocks larger than pay.  Each point keeps
+    its fastest of 3 to 8 rounds (more while ``budget_s`` lasts: one round overprices a
+    multi-row pass against plain steps, which sends adaptive decoding to plain steps where
+    drafting pays), and a block never costs less than a smaller one: a burst of other work
+    on the machine cannot make a large block look cheap."""
+    tic = time.perf_counter()
+    B, mask = drafter.config.block_size, drafter.config.mask_token_id
+    short, long = CONTEXTS
+    caches = {}
+    for n in CONTEXTS:
+        cache = target.make_cache()
+        _, features = target(mx.zeros((1, 1), dtype=mx.int32), cache)
+        _pad(cache, n - 1)
+        draft_cache = drafter.make_cache()
+        drafter.append_context(features, draft_cache)
+        _pad(draft_cache, n - 1)
+        caches[n] = (cache, features, draft_cache)
+
+    def target_pass(b, n):
+        cache = caches[n][0]
+        if b == 1:  # plain steps run pipelined (``loop/plain.py``): time a chain of them
+            token = mx.zeros((1,), dtype=mx.int32)
+            for _ in range(PLAIN_RUN):
+                token = mx.argmax(target(token[None], cache)[0][0, -1:], axis=-1)
+                mx.async_eval(token)
+            mx.eval(token)
+        else:
+            mx.eval(target(mx.zeros((1, b), dtype=mx.int32), cache))
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(PLAIN_RUN if b == 1 else b)
+
+    def drafter_step(b, n):
+        _, features, draft_cache = caches[n]
+        drafter.append_context(features, draft_cache)
+        hidden = drafter(mx.array([[0] + [mask] * (b - 1)]), draft_cache)
+        mx.eval(propose(drafter, hidden, mx.array(0), SamplingParams())[0])
+        for c in draft_cache:
+            c.trim(1)
+
+    sizes = sorted(set(sizes or []) | {2, B})
+    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B})
+    points = ([(target_pass, b, short) for b in [1] + rows] + [(target_pass, b, long) for b in {1, B}]
+              + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
+    target_pass(2, short)  # warm-up: one pass is enough (a plain chain is four)
+    best = {p: float("inf") for p in points}
+    for r in range(rounds[1]):
+        start = time.perf_counter()
+        for p in points:
+            per = PLAIN_RUN if p[0] is target_pass and p[1] == 1 else 1
+            best[p] = min(best[p], _timed(lambda: p[0](p[1], p[2])) / per)
+        now = time.perf_counter()
+        if r + 1 >= rounds[0] and now + (now - start) - tic > budget_s:
+            break
+    for step, b, n in sorted(points, key=lambda p: -p[1]):  # suffix minimum over block sizes
+        best[(step, b, n)] = min(v for (s, b2, n2), v in best.items() if s is step and n2 == n and b2 >= b)
+
+    def lines(step, blocks):
+        slopes = {b: (max(0.0, (best[(step, b, long)] - best[(step, b, short)]) / (long - short)), 0.0)
+                  for b in blocks if (step, b, long) in best}
+        out = {}
+        for b in blocks:
+            slope = interp(slopes, b)[0]
+            out[b] = (best[(step, b, short)] - slope * short, slope)
+        return out
+
+    return CostModel(lines(target_pass, [1] + rows), lines(drafter_step, sizes),
+                     calibration_s=time.perf_counter() - tic)
+
+
+def shapes(module) -> list:
+    return sorted((k, v.dtype.__repr__(), v.shape) for k, v in tree_flatten(module.parameters()))
+
+
+def cost_key(target, drafter) -> str:
+    """Model identity (architecture, shapes and dtypes of every weight), machine."""
+    return store.digest({"calibration": CALIBRATION, "target": shapes(target.model), "drafter": shapes(drafter),
+                         "drafter_activations": str(drafter.activation_dtype),
+                         "machine": identity()})
+
+
+cost_models: Dict[str, CostModel] = {}  # this process's, by ``cost_key``
+
+
+def cost_model(target, drafter, key: Optional[str] = None) -> CostModel:
+    """The pair's cost model on this machine: from memory, else from disk when fresh,
+    else calibrated now (and saved).  ``key``: the pair's ``cost_key``, when the caller has it."""
+    key = key or cost_key(target, drafter)
+    costs = cost_models.get(key)
+    if costs is None or time.time() - costs.created > STALE_AFTER_S:
+        path = store.cache_dir() / f"costs-{key}.json"
+        data = store.read(path)
+        try:
+            costs = CostModel.from_json(data)
+        except (TypeError, KeyError, ValueError, AttributeError):
+            costs = None
+        if costs is None or time.time() - costs.created > STALE_AFTER_S:
+            costs = calibrate(target, drafter)
+            store.write(path, costs.to_json())
+        cost_models[key] = costs
+    return costs

@@ -1,0 +1,109 @@
+"""What the loop's cycles really take against what the cost model priced them at, per kind
+of cycle and block size (``Timing``), and the cost model priced through it (``Corrected``),
+so a calibration that landed badly on a busy machine is corrected as the loop runs.  A
+process keeps one ``Timing`` per cost model, saved for the next process (``timing_for``,
+``save_timing``)."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+from . import store
+from .costs import CostModel
+
+# Each observed cycle counts against its prediction; an unseen block size falls back on its
+# kind's correction, an unseen kind on the calibration (worth TIMING_PRIOR cycles).
+TIMING_PRIOR = 3.0
+TIMING_DECAY = 0.9  # evidence kept per cycle of the same key: follows the machine's load
+TIMING_CLIP = 3.0  # one cycle counts as at most this many times its prediction (a stall)
+TIMING_FORMAT = 2  # bumped when the loop times cycles differently: older timing files are dropped
+
+
+@dataclass
+class Timing:
+    """Decayed sums of observed and predicted seconds per kind of cycle ("plain", "draft",
+    "copy") and per kind and block size ("draft4").  Calibration is a few seconds of timings
+    on a machine that may be busy: calibrations in a row on an idle machine price the same
+    passes differently, and one that overprices drafting sends a request to plain steps,
+    where only its probes can show it wrong."""
+    observed: Dict[str, float] = field(default_factory=dict)
+    predicted: Dict[str, float] = field(default_factory=dict)
+    seen: set = field(default_factory=set)  # block sizes this process has run (not saved)
+
+    def record(self, kind: str, b: int, seconds: float, predicted: float, group: Optional[str] = None):
+        if f"{kind}{b}" not in self.seen:  # a shape's first pass in a process allocates its
+            self.seen.add(f"{kind}{b}")  # buffers: not what the next ones will cost
+            return
+        seconds = min(seconds, TIMING_CLIP * predicted)
+        for key in (group, kind, f"{kind}{b}"):
+            if key is not None:
+                self.observed[key] = self.observed.get(key, 0.0) * TIMING_DECAY + seconds
+                self.predicted[key] = self.predicted.get(key, 0.0) * TIMING_DECAY + predicted
+
+    def ratio(self, kind: str, b: int, predicted: float, group: Optional[str] = None) -> float:
+        """Observed over predicted seconds for a cycle of this kind and block size, shrunk
+        towards the kind's ratio, which is shrunk towards the ``group``'s (every kind's,
+        a batch's work per sequence that no calibration saw) or 1 (the calibration)."""
+        w = TIMING_PRIOR * predicted
+        r = 1.0
+        for key in (group, kind, f"{kind}{b}"):
+            if key is not None:
+                r = (self.observed.get(key, 0.0) + w * r) / (self.predicted.get(key, 0.0) + w)
+        return r
+
+
+def kind(b: int, copy: bool = False) -> str:
+    return "plain" if b == 1 else "copy" if copy else "draft"
+
+
+class Corrected:
+    """A cost model priced through ``Timing``: each cycle at what its kind and size took."""
+
+    def __init__(self, costs: CostModel, timing: Timing):
+        self.costs, self.timing = costs, timing
+
+    def cycle(self, b: int, context: int) -> float:
+        raw = self.costs.cycle(b, context)
+        return raw * self.timing.ratio(kind(b), b, raw)
+
+    def verify(self, b: int, context: int) -> float:
+        """A copy's cycle: a verify pass, no drafter pass."""
+        raw = self.costs.verify(b, context)
+        return raw * self.timing.ratio(kind(b, copy=True), b, raw)
+
+    def draft(self, b: int, context: int) -> float:
+        return self.costs.draft(b, context)
+
+    def observe(self, b: int, context: int, seconds: float, copy: bool = False):
+        raw = (self.costs.verify if copy else self.costs.cycle)(b, context)
+        self.timing.record(kind(b, copy), b, seconds, raw)
+
+
+timings: Dict[str, Tuple[float, Timing]] = {}  # this process's, by cost key: (the cost model's creation, timing)
+
+
+def timing_path(key: str) -> Path:
+    return store.cache_dir() / f"timing-{key}.json"
+
+
+def timing_for(key: str, costs: CostModel) -> Timing:
+    """This process's ``Timing`` of the cost model ``costs`` (shared by its requests): at
+    first the one saved by an earlier process, unless it corrected another calibration."""
+    created, timing = timings.get(key, (None, None))
+    if created != costs.created:
+        data = store.read(timing_path(key)) or {}
+        try:
+            if data.get("created") != costs.created or data.get("format") != TIMING_FORMAT:
+                raise ValueError("another calibration, or timed another way")
+            timing = Timing({str(k): float(v) for k, v in data["observed"].items()},
+                            {str(k): float(v) for k, v in data["predicted"].items()})
+        except (AttributeError, KeyError, TypeError, ValueError):
+            timing = Timing()
+        timings[key] = (costs.created, timing)
+    return timing
+
+
+def save_timing(key: str, costs: CostModel, timing: Timing):
+    """Keep ``timing`` (of the cost model ``costs``) for the next process."""
+    store.write(timing_path(key), {"created": costs.created, "format": TIMING_FORMAT,
+                                   "observed": timing.observed, "predicted": timing.predicted})

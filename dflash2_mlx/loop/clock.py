@@ -1,0 +1,41 @@
+"""When the cycles are timed for the adaptive policy (``policy.timed``), in one place."""
+
+import time
+
+
+class Clock:
+    """Times what a cycle's price should match, and nothing else:
+
+    - a pipelined plain step (one that read the step before it): from the start of its loop
+      iteration to the start of the next, what one step takes in the pipeline;
+    - a copy's cycle, from its verify pass to what was accepted;
+    - a drafted cycle that followed a drafted one: after plain steps or a copy the drafter
+      first reads the rows they committed, work those steps put off, not this draft's."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.start = self.steady = None  # when this iteration (or cycle) began; a timed plain step
+        self.drafted = False  # whether the latest cycle drafted
+
+    def tick(self):
+        """A loop iteration begins: a pipelined plain step before it took until now."""
+        self.start = time.perf_counter()
+        if self.steady is not None:
+            self.policy.timed(1, self.start - self.steady)
+            self.steady = None
+
+    def plain(self, pipelined: bool):
+        """This iteration is a plain step (``pipelined``: it reads the step before it)."""
+        self.drafted = False
+        if pipelined:
+            self.steady = self.start
+
+    def begin(self):
+        """A cycle begins (its draft, or its copy)."""
+        self.start = time.perf_counter()
+
+    def end(self, b: int, copy: bool):
+        """The cycle of block ``b`` (``copy``: a copy's) has learned what was accepted."""
+        if copy or self.drafted:
+            self.policy.timed(b, time.perf_counter() - self.start, copy)
+        self.drafted = not copy
