@@ -248,8 +248,9 @@ class Engine:
         options.check_max_tokens_fit(self.context_window)
         self._check_running()
         options.check_logprobs()
+        options.check_values(self.vocab_size)
         # Here, not when the request runs: the caller learns which option is wrong.
-        sampling_params(options, self.settings, self.tokenizer)
+        sampling_params(options, self.settings, self.tokenizer, self.vocab_size)
         request = Request(request_id or f"req-{next(_ids)}", ids, options, tools, chat)
         if request.id in self.admission.requests:
             raise EngineError(f"request id {request.id} is already in use")
@@ -263,7 +264,8 @@ class Engine:
         """The request's turn has come: it joins the batch or runs as its own stream."""
         self._check_running()
         self.last_used = time.monotonic()
-        request.generation = generation(request.options, self.settings, self.default_max_tokens, self.tokenizer)
+        request.generation = generation(request.options, self.settings, self.default_max_tokens,
+                                        self.tokenizer, self.vocab_size)
         if self.batching.takes(request):
             return self.batching.join(request, push)
         return solo_job(self, request, push)

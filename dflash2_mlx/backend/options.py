@@ -3,6 +3,7 @@
 is made (so the caller learns which option is wrong); ``Generation`` is what it runs with:
 each option its own, else the model's setting, else the default."""
 
+import math
 from dataclasses import dataclass, fields
 from typing import Dict, Optional, Sequence, Union
 
@@ -14,6 +15,12 @@ from .wire import InvalidOption
 
 # The most alternatives a request may ask to see next to each token's log-probability.
 MAX_TOP_LOGPROBS = 20
+# mx.random.seed takes an unsigned 64-bit seed.
+MAX_SEED = (1 << 64) - 1
+# The options that are numbers, and those that are whole numbers.
+REAL_OPTIONS = ("temperature", "top_p", "min_p", "xtc_probability", "xtc_threshold",
+                "presence_penalty", "frequency_penalty", "repetition_penalty")
+WHOLE_OPTIONS = ("top_k", "min_tokens_to_keep", "seed")
 # A penalty at its neutral value builds no logits processor.
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
@@ -64,6 +71,24 @@ class RequestOptions:
                 raise InvalidOption(name, f"{name} is the number of alternatives to report, "
                                     f"0..{MAX_TOP_LOGPROBS}; got {top!r}")
 
+    def check_values(self, vocab_size: Optional[int]):
+        """Every option of the right kind and within what the model can take (a sampler
+        given a top_k past the vocabulary, or a bias on a token it does not have, fails
+        inside MLX, after the request has started)."""
+        for name in REAL_OPTIONS:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise InvalidOption(name, f"{name} is a finite number; got {v!r}")
+        for name in WHOLE_OPTIONS:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise InvalidOption(name, f"{name} is a whole number; got {v!r}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InvalidOption("seed", f"seed is a whole number in 0..{MAX_SEED} (2**64 - 1); got {self.seed}")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise InvalidOption("repetition_penalty", f"repetition_penalty is above 0; got {self.repetition_penalty}")
+        check_logit_bias(self.logit_bias, vocab_size)
+
     @property
     def scoring(self) -> bool:
         """The request scores its prompt (prompt logprobs, or nothing generated)."""
@@ -71,6 +96,26 @@ class RequestOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(RequestOptions))
+
+
+def check_logit_bias(bias, vocab_size: Optional[int]):
+    """A logit bias maps token ids of the vocabulary (0 .. vocab_size - 1) to finite numbers:
+    an id past it would index outside the logits (inside MLX), a negative one from its end."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise InvalidOption("logit_bias", f"logit_bias maps token ids to numbers; got {type(bias).__name__}")
+    top = vocab_size - 1 if vocab_size else None
+    for k, v in bias.items():
+        token = k if isinstance(k, int) and not isinstance(k, bool) else None
+        if isinstance(k, str) and k.isascii() and k.isdigit():
+            token = int(k)
+        if token is None or token < 0 or (top is not None and token > top):
+            allowed = f"0..{top}" if top is not None else "0 or more"
+            raise InvalidOption("logit_bias", f"logit_bias keys are token ids of this model's vocabulary "
+                                f"({allowed}); got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidOption("logit_bias", f"logit_bias values are finite numbers; got {v!r} for {k!r}")
 
 
 @dataclass(frozen=True)
@@ -90,14 +135,15 @@ class Generation:
         return make_logits_processors(**self.penalties) if self.penalties else None
 
 
-def sampling_params(o: RequestOptions, s: ModelSettings, tokenizer) -> SamplingParams:
+def sampling_params(o: RequestOptions, s: ModelSettings, tokenizer,
+                    vocab_size: Optional[int] = None) -> SamplingParams:
     """The request's sampling (else the model's, else the default); InvalidOption names
-    an option out of range."""
+    an option out of range (of its own, or past the model's ``vocab_size`` tokens)."""
     xtc, special = first_set(o.xtc_probability, 0.0), ()
     if xtc:
         special = tuple(xtc_special_tokens(tokenizer))
     try:
-        return SamplingParams(temp=first_set(o.temperature, s.temperature, 0.0),
+        params = SamplingParams(temp=first_set(o.temperature, s.temperature, 0.0),
                               top_p=first_set(o.top_p, s.top_p, 1.0),
                               top_k=first_set(o.top_k, s.top_k, 0),
                               min_p=first_set(o.min_p, s.min_p, 0.0),
@@ -107,6 +153,13 @@ def sampling_params(o: RequestOptions, s: ModelSettings, tokenizer) -> SamplingP
     except ValueError as e:
         name = str(e).split()[0]
         raise InvalidOption("temperature" if name == "temp" else name, str(e)) from None
+    if vocab_size and params.top_k >= vocab_size:
+        raise InvalidOption("top_k", f"top_k keeps fewer tokens than this model's vocabulary of {vocab_size} "
+                            f"(0: off, else 1..{vocab_size - 1}); got {params.top_k}")
+    if vocab_size and params.min_tokens_to_keep > vocab_size:
+        raise InvalidOption("min_tokens_to_keep", f"min_tokens_to_keep is 1..{vocab_size} (this model's "
+                            f"vocabulary); got {params.min_tokens_to_keep}")
+    return params
 
 
 def penalties(o: RequestOptions, s: ModelSettings) -> dict:
@@ -122,7 +175,8 @@ def penalties(o: RequestOptions, s: ModelSettings) -> dict:
     return out
 
 
-def generation(o: RequestOptions, s: ModelSettings, default_max_tokens: int, tokenizer) -> Generation:
+def generation(o: RequestOptions, s: ModelSettings, default_max_tokens: int, tokenizer,
+               vocab_size: Optional[int] = None) -> Generation:
     """What the request runs with under the settings ``s``."""
-    return Generation(sampling=sampling_params(o, s, tokenizer), penalties=penalties(o, s),
+    return Generation(sampling=sampling_params(o, s, tokenizer, vocab_size), penalties=penalties(o, s),
                       max_tokens=first_set(o.max_tokens, s.max_tokens, default_max_tokens), seed=o.seed)

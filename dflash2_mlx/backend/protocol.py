@@ -64,8 +64,8 @@ class _Request(BaseModel):
     @classmethod
     def _bias(cls, v):
         for k, b in (v or {}).items():
-            if not k.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {k!r}")
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids (0 or more), got {k!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v

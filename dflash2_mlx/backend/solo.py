@@ -12,7 +12,7 @@ from typing import List, Optional
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..generate import stream_generate
-from ..loop.random_keys import fresh_key, swap_key
+from ..loop.random_keys import fresh_key, restore_key, swap_key
 from ..loop.scoring import prompt_logprobs
 from .admission import DONE, Request
 from .prefix_cache import PrefixCache, Start
@@ -47,9 +47,12 @@ def own_random(steps):
             try:
                 next(gen)
             except StopIteration:
-                return
-            finally:
                 key = swap_key(outer)
+                return
+            except BaseException:  # the global key may be unreadable: put the outer one back
+                restore_key(outer)
+                raise
+            key = swap_key(outer)
             yield
 
     return job

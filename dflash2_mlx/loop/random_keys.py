@@ -19,6 +19,13 @@ def swap_key(key: int) -> int:
     return (hi << 32) | lo
 
 
+def restore_key(key: int):
+    """Make ``key`` the global PRNG key without reading the one it replaces: after a
+    draw that raised (mlx-lm's samplers are compiled with the global key as their input
+    and output, and one that raises while tracing leaves a key that cannot be read)."""
+    mx.random.seed(key)
+
+
 def fresh_key() -> int:
     """A key for a sequence without a seed, drawn from the global generator (62 bits)."""
     hi, lo = mx.random.randint(0, (1 << 31) - 1, shape=(2,)).tolist()
@@ -27,8 +34,8 @@ def fresh_key() -> int:
 
 class RandomStream:
     """A random stream of its own: ``with stream:`` makes its key the global one for the
-    draws inside, puts the global one back after them, and keeps its key where its draws
-    left it.  ``key`` None (a greedy sequence, which draws nothing): the global key stays."""
+    draws inside, puts the global one back after them (whatever they raise), and keeps
+    its key where its draws left it.  ``key`` None (a greedy sequence, which draws nothing): the global key stays."""
 
     def __init__(self, key: Optional[int]):
         self.key, self.outer = key, None
@@ -38,6 +45,10 @@ class RandomStream:
             self.outer = swap_key(self.key)
         return self
 
-    def __exit__(self, *exc):
-        if self.key is not None:
+    def __exit__(self, kind, value, tb):
+        if self.key is None:
+            return
+        if kind is None:
             self.key = swap_key(self.outer)
+        else:  # the draws raised: the global key may be unreadable; put the outer one back
+            restore_key(self.outer)
