@@ -4,19 +4,27 @@ disk tier with bad files, dropped clients and big bodies; in-process engines and
 `dflash2-mlx serve` on loopback."""
 
 import asyncio
+import json
+import os
 
+import httpx
 import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import apply_top_k, make_logits_processors
 
 from dflash2_mlx.backend.engine import Engine, InvalidOption
 from dflash2_mlx.backend.options import MAX_SEED
-from dflash2_mlx.backend.settings import ModelSettings
+from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
 from dflash2_mlx.backend.solo import own_random
 from dflash2_mlx.loop.random_keys import RandomStream, swap_key
+from helpers import CHAT, start_server, stop_server
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 PROMPT = "hello world"
+KEY = "hardening-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+WINDOW = 400  # the served model's context window
+QUEUE, MAX_BATCH = 2, 2
 
 
 def run(coro):
@@ -45,6 +53,34 @@ def engine(models):
     run(e.start())
     yield e
     run(e.stop())
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    root, target, drafter = models
+    settings = root / "model_settings.json"
+    SettingsStore(settings).set("tiny", dflash_enabled=True, dflash_draft_model=str(drafter),
+                                max_context_window=WINDOW)
+    proc, base = start_server(root, ["--model-dir", root / "models", "--settings", settings,
+                                     "--queue-size", QUEUE, "--max-batch", MAX_BATCH, "--log-level", "warning"],
+                              env={**os.environ, "DFLASH2_MLX_API_KEY": KEY})
+    yield {"base": base, "settings": settings, "proc": proc, "root": root, "drafter": drafter}
+    stop_server(proc)
+
+
+def post(server, path, body, **kw):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server["base"] + path, content=data, timeout=60,
+                      headers={"content-type": "application/json", **AUTH}, **kw)
+
+
+def chat(server, **body):
+    return post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 4, **body})
+
+
+def serves(server):
+    r = chat(server)
+    assert r.status_code == 200, r.text
 
 
 def refused(engine, param, **options):
@@ -111,3 +147,78 @@ def test_a_draw_that_raises_leaves_the_global_key_as_it_was():
         next(job)
     assert mx.random.state[0].tolist() == outer
     assert swap_key(5) == (outer[0] << 32) | outer[1]
+
+
+# 7. fields of the wrong kind, limits summed, what a client may see ------------------------
+def user(content):
+    return [{"role": "user", "content": content}]
+
+
+def tool(function):
+    return [{"type": "function", "function": function}]
+
+
+REFUSED = [
+    # (body over a chat request's, param the 400 names)
+    ({"messages": user([{"type": "text", "text": 5}])}, "messages"),
+    ({"messages": user([{"type": "text", "text": ["a"]}])}, "messages"),
+    ({"messages": user(None)}, "messages"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": "lookup"}]}, "messages"),
+    ({"tools": [{"type": "function", "function": "lookup"}]}, "tools"),
+    ({"tools": tool({"description": "no name"})}, "tools"),
+    ({"tools": tool({"name": "f", "parameters": [1]})}, "tools"),
+    ({"seed": 2 ** 64}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"33": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"temperature": 1.0, "top_k": 33}, "top_k"),
+    ({"temperature": 1.0, "min_p": 0.1, "min_tokens_to_keep": 10 ** 12}, "min_tokens_to_keep"),
+    ({"max_tokens": WINDOW - 5}, "max_tokens"),  # fits alone, not with the prompt
+]
+
+
+@pytest.mark.parametrize("extra,param", REFUSED)
+def test_malformed_chat_requests_are_400s_naming_the_field(server, extra, param):
+    r = chat(server, **extra)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    if param == "seed":
+        assert "0..18446744073709551615" in error["message"]
+    serves(server)
+
+
+def test_a_body_nested_deep_is_a_400(server):
+    deep = b'{"model": "tiny", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = post(server, "/v1/chat/completions", deep)
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text
+    serves(server)
+
+
+def test_a_completions_batch_the_queue_never_takes_is_a_400(server):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": ["a"] * (QUEUE + MAX_BATCH + 1), "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": ["a"] * (QUEUE + MAX_BATCH), "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == QUEUE + MAX_BATCH, r.text
+
+
+def test_clients_see_neither_the_drafters_path_nor_the_settings_path(server):
+    r = httpx.get(server["base"] + "/v1/models", headers=AUTH)
+    assert r.status_code == 200
+    card = r.json()["data"][0]
+    assert card["dflash"]["drafter"] == server["drafter"].name
+    assert str(server["root"]) not in r.text
+    text = server["settings"].read_text()
+    try:
+        server["settings"].write_text("{ not json")
+        anyone = httpx.get(server["base"] + "/health")
+        assert anyone.json()["status"] == "degraded"
+        assert str(server["settings"]) not in anyone.text and "Expecting" not in anyone.text
+        operator = httpx.get(server["base"] + "/health", headers=AUTH)
+        assert str(server["settings"]) in operator.text
+    finally:
+        server["settings"].write_text(text)
+    assert httpx.get(server["base"] + "/health").json()["status"] == "ok"
+

@@ -245,7 +245,7 @@ class Engine:
         options.check_max_tokens()
         if self.context_window and len(ids) > self.context_window:
             raise PromptTooLong(len(ids), self.context_window)
-        options.check_max_tokens_fit(self.context_window)
+        options.check_max_tokens_fit(self.context_window, len(ids))
         self._check_running()
         options.check_logprobs()
         options.check_values(self.vocab_size)

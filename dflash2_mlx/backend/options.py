@@ -58,10 +58,15 @@ class RequestOptions:
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise InvalidOption("max_tokens", f"max_tokens is a number of tokens, 0 or more; got {n!r}")
 
-    def check_max_tokens_fit(self, context_window: Optional[int]):
+    def check_max_tokens_fit(self, context_window: Optional[int], prompt_tokens: int = 0):
+        """The prompt and the tokens asked for fit the context window together."""
         if context_window and (self.max_tokens or 0) > context_window:
             raise InvalidOption("max_tokens", f"max_tokens {self.max_tokens} is beyond this "
                                 f"model's context window of {context_window} tokens")
+        if context_window and prompt_tokens + (self.max_tokens or 0) > context_window:
+            raise InvalidOption("max_tokens", f"the prompt's {prompt_tokens} tokens and max_tokens "
+                                f"{self.max_tokens} are more than this model's context window of "
+                                f"{context_window} tokens")
 
     def check_logprobs(self):
         for name in ("logprobs", "prompt_logprobs"):

@@ -132,16 +132,45 @@ class CompletionRequest(_Request):
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None  # None: an assistant's (tool calls)
+
+    @model_validator(mode="after")
+    def _shape(self):
+        """What a chat template reads from a message is of the kind it expects (OpenAI's)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (text or text parts)")
+        for part in self.content if isinstance(self.content, list) else ():
+            if part.get("type") != "text":
+                raise ValueError("only text content parts are supported")
+            if not isinstance(part.get("text", ""), str):
+                raise ValueError("a text part's text is a string")
+        extra = self.model_extra or {}
+        if self.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+            raise ValueError("a tool message needs its tool_call_id (a string)")
+        calls = extra.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise ValueError("tool_calls is a list of tool calls (objects)")
+        return self
 
     def as_template_input(self) -> dict:
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}] parts -> text
-            if any(p.get("type") != "text" for p in self.content):
-                raise APIError(400, "only text content parts are supported", param="messages")
             out["content"] = "".join(p.get("text", "") for p in self.content)
         out.setdefault("content", "")
         return out
+
+
+def check_tools(tools):
+    """OpenAI function specs: ``{"type": "function", "function": {"name": ..., ...}}``."""
+    for tool in tools or ():
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ValueError('a tool is {"type": "function", "function": {...}}')
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError("a tool's function needs its name (a string)")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ValueError("a tool's function parameters are a JSON schema (an object)")
+    return tools
 
 
 class ChatRequest(_Request):
@@ -152,6 +181,11 @@ class ChatRequest(_Request):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # template variables, as mlx_lm.server and vLLM take them
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        return check_tools(v)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Optional
 
 import uvicorn
@@ -43,7 +44,7 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
     app.state.pool = pool
     _add_api_key(app, api_key)
     _add_error_handlers(app)
-    _add_status_routes(app, pool)
+    _add_status_routes(app, pool, api_key)
     _add_generation_routes(app, pool)
     _add_tokenizer_routes(app, pool)
     return app
@@ -96,14 +97,17 @@ def _add_error_handlers(app: FastAPI):
         return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
 
 
-def _add_status_routes(app: FastAPI, pool: EnginePool):
+def _add_status_routes(app: FastAPI, pool: EnginePool, api_key: Optional[str]):
     """/health, /metrics and the model list."""
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         problem = pool.settings_problem()
         out = {"status": "degraded" if problem else "ok", "loaded_models": list(pool.engines),
                "active_requests": pool.has_active_requests()}
-        if problem:
+        if problem and api_key and not _key_matches(request, api_key):
+            # The settings file's path and its parse error are the operator's to see.
+            out["problem"] = "the settings file cannot be used; serving with the last good settings"
+        elif problem:
             out["problem"] = f"{problem}; serving with the last good settings"
         return out
 
@@ -148,6 +152,10 @@ def _add_generation_routes(app: FastAPI, pool: EnginePool):
         engine = await _engine(pool, body)
         rid = new_id("cmpl")
         prompts = body.prompts
+        most = engine.max_queue + engine.max_running()
+        if len(prompts) > most:  # each prompt is one request: more than this is never taken
+            raise APIError(400, f"a batch of {len(prompts)} prompts is more than this server takes at "
+                           f"once ({most})", param="prompt")
         with _mapped_errors():
             echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
             if body.stream:
@@ -206,7 +214,9 @@ def _model_card(pool: EnginePool, model_id: str) -> dict:
     """An OpenAI model entry plus ``dflash``: how the model's requests are decoded."""
     card = {"id": pool.public_name(model_id), "object": "model", "created": 0, "owned_by": "dflash2-mlx"}
     try:
-        card["dflash"] = pool.settings_of(model_id).engine()
+        card["dflash"] = engine = pool.settings_of(model_id).engine()
+        if engine["drafter"]:  # its name: where it lies on this machine is no client's business
+            engine["drafter"] = Path(engine["drafter"]).name
     except SettingsError as e:
         card["dflash"] = {"error": str(e)}
     return card
@@ -251,6 +261,13 @@ async def _parse(request: Request, schema):
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        return _validated(raw, schema)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deep") from None
+
+
+def _validated(raw: bytes, schema):
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
