@@ -1,5 +1,6 @@
 """``dflash2-mlx serve``: the OpenAI-compatible server."""
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -71,6 +72,10 @@ def serve(
         raise typer.BadParameter("--prefix-cache-gb must be >= 0")
     if max_batch < 1:
         raise typer.BadParameter("--max-batch must be >= 1")
+    if api_key is None:  # click reads an empty variable as unset: the key would be off unnoticed
+        api_key = os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise typer.BadParameter(f"the API key is empty: give one, or unset {API_KEY_ENV}", param_hint="--api-key")
     try:
         template_args = template_config(chat_template_args, "--chat-template-args")
     except ValueError as e:

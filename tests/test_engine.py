@@ -362,7 +362,8 @@ def test_model_settings_set_template_variables(models, tmp_path):
     """model_settings.json's chat_template_kwargs and forced_ct_kwargs (oMLX's fields): the
     model's variables over serve's, a request's over the model's except forced keys; an edit
     applies from the next request; a variable that would set apply_chat_template's own
-    arguments makes the settings unusable, naming the field."""
+    arguments makes the settings unusable, naming the field (a model that had good ones
+    keeps them)."""
     root, _, _ = models
     store = SettingsStore(tmp_path / "model_settings.json")
     store.set("other", chat_template_kwargs={"shout": True})
@@ -379,10 +380,14 @@ def test_model_settings_set_template_variables(models, tmp_path):
         reply = await e.chat(messages, max_tokens=4, chat_template_kwargs={"shout": False})
         assert reply.prompt_tokens == quiet + len("shout .")
         store.set("other", chat_template_kwargs={"shout": True, "tokenize": False})
-        with pytest.raises(SettingsError, match="other: chat_template_kwargs: .* may not set tokenize") as bad:
-            await pool.get("other")
-        assert bad.value.param == "chat_template_kwargs"
+        assert await pool.get("other") is e  # the last good settings kept (issue 41)
+        assert "other: chat_template_kwargs" in pool.settings_problem()
+        assert "may not set tokenize" in pool.settings_problem()
         await pool.stop()
+        fresh = EnginePool(store, model_dir=root / "models")  # never good: refused, naming the field
+        with pytest.raises(SettingsError, match="other: chat_template_kwargs: .* may not set tokenize") as bad:
+            await fresh.get("other")
+        assert bad.value.param == "chat_template_kwargs"
 
     run(scenario())
 

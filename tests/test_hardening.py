@@ -6,6 +6,7 @@ disk tier with bad files, dropped clients and big bodies; in-process engines and
 import asyncio
 import json
 import os
+import subprocess
 
 import httpx
 import mlx.core as mx
@@ -17,7 +18,7 @@ from dflash2_mlx.backend.options import MAX_SEED
 from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
 from dflash2_mlx.backend.solo import own_random
 from dflash2_mlx.loop.random_keys import RandomStream, swap_key
-from helpers import CHAT, start_server, stop_server
+from helpers import CHAT, serve_command, start_server, stop_server
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 PROMPT = "hello world"
@@ -222,3 +223,52 @@ def test_clients_see_neither_the_drafters_path_nor_the_settings_path(server):
         server["settings"].write_text(text)
     assert httpx.get(server["base"] + "/health").json()["status"] == "ok"
 
+
+# 6. settings edited wrong while serving, an empty API key --------------------------------
+def health(server, headers=AUTH) -> dict:
+    r = httpx.get(server["base"] + "/health", headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "hot"), ("max_batch", 0), ("dflash_verify_mode", "wat")])
+def test_a_wrong_value_in_the_settings_keeps_the_last_good_ones(server, reference, field, value):
+    serves(server)  # loaded with good settings
+    good = server["settings"].read_text()
+    data = json.loads(good)
+    data["models"]["tiny"][field] = value  # written by hand: the CLI refuses it
+    server["settings"].write_text(json.dumps(data))
+    try:
+        state = health(server)
+        assert state["status"] == "degraded" and field in state["problem"], state
+        r = chat(server, max_tokens=8)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == reference(CHAT, max_tokens=8)
+    finally:
+        server["settings"].write_text(good)
+    assert health(server)["status"] == "ok"
+
+
+def test_a_settings_path_that_becomes_a_directory(server):
+    serves(server)
+    path, aside = server["settings"], server["settings"].with_name("aside.json")
+    path.rename(aside)
+    path.mkdir()
+    try:
+        state = health(server, headers={})
+        assert state["status"] == "degraded"
+        serves(server)
+        assert httpx.get(server["base"] + "/v1/models", headers=AUTH).status_code == 200
+    finally:
+        path.rmdir()
+        aside.rename(path)
+    assert health(server)["status"] == "ok"
+
+
+def test_an_empty_api_key_is_refused_at_start(server, tmp_path):
+    for key in ("", "  "):
+        done = subprocess.run(serve_command() + ["serve", "--model-dir", str(server["root"] / "models"),
+                                                 "--settings", str(server["settings"]), "--port", "0"],
+                              env={**os.environ, "DFLASH2_MLX_API_KEY": key}, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and "API key is empty" in done.stderr, done.stderr

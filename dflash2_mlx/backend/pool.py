@@ -6,7 +6,8 @@ plus any ``models`` given explicitly as ``{id: path}``. Settings come from the s
 load, so a model manager edits ``model_settings.json`` and the next load follows it; an idle
 engine whose settings changed is reloaded on its next request, after its drafter settings
 are checked against the drafter's config (a bad value leaves the loaded engine as it is). A
-settings file that cannot be read leaves the last good settings in force (``problem``).
+settings file that cannot be read, or a model entry with a wrong value, leaves the last good
+settings in force (``problem``).
 """
 
 import asyncio
@@ -118,17 +119,32 @@ class EnginePool:
         raise UnknownModel(model_id)
 
     def _entries(self) -> Dict[str, dict]:
-        """The settings file's models, or the last good ones while the file is unreadable."""
+        """The settings file's models, or the last good ones while the file is unreadable;
+        a model whose entry has a wrong value keeps its last good entry (one never good
+        before keeps the wrong one: its requests are refused, naming the field)."""
         try:
-            self._last_good = self.store.read()["models"]
+            models = self.store.read()["models"]
         except SettingsError as e:
-            if self.problem != str(e):
-                log.error("settings: %s; serving with the last good settings", e)
-            self.problem = str(e)
-            return self._last_good
+            return self._degraded(str(e))
+        kept, problems = dict(models), []
+        for model_id in models:
+            try:
+                self.settings_of(model_id, models)
+            except SettingsError as e:
+                kept[model_id] = self._last_good.get(model_id, models[model_id])
+                problems.append(str(e))
+        self._last_good = kept
+        if problems:
+            return self._degraded("; ".join(problems))
         if self.problem:
             log.info("settings: %s is readable again", self.store.path)
         self.problem = None
+        return self._last_good
+
+    def _degraded(self, problem: str) -> Dict[str, dict]:
+        if self.problem != problem:
+            log.error("settings: %s; serving with the last good settings", problem)
+        self.problem = problem
         return self._last_good
 
     def settings_problem(self) -> Optional[str]:

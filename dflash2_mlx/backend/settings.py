@@ -325,6 +325,8 @@ class SettingsStore:
             text = self.path.read_text()
         except FileNotFoundError:
             return {"version": SETTINGS_VERSION, "models": {}}
+        except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not text
+            raise SettingsError(f"{self.path} cannot be read: {e}") from e
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
