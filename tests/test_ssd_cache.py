@@ -1,18 +1,22 @@
 """The prefix cache's disk tier (oMLX's dflash_ssd_cache), in-process on tiny real models:
 entries memory lets go are restored from disk with exactly the text of a run without them
 (greedy), after the engine restarts too; a pair only reads its own entries; unreadable files
-are dropped, never trusted; the disk stays within its budget."""
+are dropped, never trusted (damaged arrays fail their checksum, arrays of other shapes the
+model's layout, a dead writer's temporary file goes at start); the disk stays within its budget."""
 
 import asyncio
 import logging
+import os
 from dataclasses import replace
 
+import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 from dflash2_mlx.backend.engine import Engine
 from dflash2_mlx.backend.pool import EnginePool
 from dflash2_mlx.backend.settings import ModelSettings, SettingsError, SettingsStore
+from dflash2_mlx.backend.ssd_cache import checksum
 from tiny_models import make_drafter, on_worker
 
 NO_EOS = {1: -100.0}
@@ -168,5 +172,70 @@ def test_a_disk_tier_that_cannot_be_made_leaves_the_model_serving(cache_pair, tm
     try:
         assert engine.prefix_cache.disk is None and "no disk tier" in caplog.text
         assert _run(engine, "hello world").text == _reference(reference, "hello world")
+    finally:
+        asyncio.run(engine.stop())
+
+
+def _written(cache_pair, tmp_path, prompt):
+    """The files of the entries ``prompt`` leaves on disk (memory tier off), the engine stopped."""
+    target, drafter, _ = cache_pair
+    engine = _engine(target, drafter, tmp_path, dflash_in_memory_cache=False)
+    try:
+        _run(engine, prompt)
+        files = sorted(engine.prefix_cache.disk.root.glob("*.safetensors"))
+        assert files
+    finally:
+        asyncio.run(engine.stop())
+    return files
+
+
+def _served_fresh(cache_pair, tmp_path, prompt, caplog):
+    """A new engine serves ``prompt`` as a fresh run (the bad files dropped) and writes a good entry."""
+    target, drafter, reference = cache_pair
+    engine = _engine(target, drafter, tmp_path, dflash_in_memory_cache=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash2_mlx.serve"):
+            c = _run(engine, prompt)
+        assert c.cached_tokens == 0 and c.text == _reference(reference, prompt)
+        assert engine.get_stats()["prefix_cache_ssd_hits"] == 0 and "dropping unreadable" in caplog.text
+        assert _run(engine, prompt).cached_tokens > 0  # the request wrote a good entry again
+    finally:
+        asyncio.run(engine.stop())
+
+
+def test_damaged_tensor_bytes_are_caught_by_the_checksum(cache_pair, tmp_path, caplog):
+    files = _written(cache_pair, tmp_path, "zebra quiz")
+    for f in files:  # the header intact, bytes of the first array flipped
+        data = bytearray(f.read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")  # safetensors: header length, header, arrays
+        data[start: start + 16] = bytes(b ^ 0xFF for b in data[start: start + 16])
+        f.write_bytes(bytes(data))
+    _served_fresh(cache_pair, tmp_path, "zebra quiz", caplog)
+
+
+def test_arrays_of_other_shapes_are_not_served(cache_pair, tmp_path, caplog):
+    """A well-formed file (its checksum right) whose arrays are not this model's shapes."""
+    files = _written(cache_pair, tmp_path, "zebra quiz")
+    for f in files:
+        arrays, meta = mx.load(str(f), return_metadata=True)
+        keys = next(k for k in sorted(arrays) if k.startswith("t") and k.endswith(".k"))  # an attention layer's
+        arrays[keys] = mx.concatenate([arrays[keys]] * 2, axis=-1)
+        meta["sha256"] = checksum(arrays)
+        mx.save_safetensors(str(f), arrays, metadata=meta)
+    _served_fresh(cache_pair, tmp_path, "zebra quiz", caplog)
+
+
+def test_a_dead_writers_temporary_file_is_removed_at_start(cache_pair, tmp_path):
+    files = _written(cache_pair, tmp_path, "zebra quiz")
+    root = files[0].parent
+    dead = root / ".abc.999999999.1.tmp.safetensors"  # no process has that id
+    live = root / f".abc.{os.getpid()}.1.tmp.safetensors"  # a writer still writing
+    for f in (dead, live):
+        f.write_bytes(b"half an entry")
+    target, drafter, _ = cache_pair
+    engine = _engine(target, drafter, tmp_path, dflash_in_memory_cache=False)
+    try:
+        assert not dead.exists() and live.exists()
+        assert engine.get_stats()["prefix_cache_ssd_entries"] == len(files)
     finally:
         asyncio.run(engine.stop())

@@ -113,6 +113,7 @@ class PrefixCache:
         self._keys = iter(range(1 << 62))
         self._lock = threading.Lock()  # stats() is read from the event loop
         self.hits = self.misses = self.cached_tokens = self.disk_hits = 0
+        self._layouts = {}  # (target, drafter) ids -> the layout of their entries (see ``layout``)
 
     @property
     def enabled(self) -> bool:
@@ -133,9 +134,10 @@ class PrefixCache:
                     "prefix_cache_budget_bytes": self.budget, "prefix_cache_ssd_hits": self.disk_hits, **ssd}
 
     # Reuse -----------------------------------------------------------------------------
-    def _best(self, ids: Sequence[int], draft: bool):
+    def _best(self, ids: Sequence[int], draft: bool, fits=None):
         """The entry to start ``ids`` from, (entry, tokens) or (None, 0): the memory tier's
-        best, or the disk tier's when that shares more (read back, and moved into memory)."""
+        best, or the disk tier's when that shares more (read back if ``fits`` it, and moved
+        into memory)."""
         best, best_n = None, 0
         for key, e in self.entries.items():
             n = reuse_length(e.tokens, e.draft is not None, e.trimmable, ids, draft)
@@ -148,7 +150,7 @@ class PrefixCache:
         disk = self.disk
         name, n = disk.best(ids, draft) if disk is not None else (None, 0)
         if n > best_n:
-            entry = disk.load(name)
+            entry = disk.load(name, fits)
             if entry is not None:
                 with self._lock:
                     self.disk_hits += 1
@@ -166,7 +168,8 @@ class PrefixCache:
         context = DraftContext(drafter, window, sink) if drafter is not None else None
         if not self.enabled or not reusable(cache):
             return Start(cache, context)
-        entry, n = self._best(ids, context is not None) if reuse else (None, 0)
+        fits = lambda e: self.fits(e, model, drafter if context is not None else None)  # noqa: E731
+        entry, n = self._best(ids, context is not None, fits) if reuse else (None, 0)
         with self._lock:
             self.hits += entry is not None
             self.misses += entry is None
@@ -181,6 +184,22 @@ class PrefixCache:
             if start.tokens > n:
                 self.store(ids[: len(ids) - 1], start)
         return start
+
+    def fits(self, entry: Entry, model, drafter=None) -> bool:
+        """Whether ``entry`` (one read from disk) has the arrays the caches of ``model`` (and,
+        for its draft rows, ``drafter``) take: a file whose header was edited would fail the
+        requests it starts, or serve from arrays that are not this model's."""
+        key = (id(model), id(drafter))
+        if key not in self._layouts:  # the caches after one token, once per pair
+            probe = Start(make_prompt_cache(model), DraftContext(drafter) if drafter is not None else None)
+            self._advance(probe, [0], model)
+            draft = [_rows(c, 1) for c in probe.context.fed()] if drafter is not None else None
+            target = [_rows(c, 1) if isinstance(c, KVCache) else state
+                      for c, state in zip(probe.cache, recurrent_state(probe.cache))]
+            self._layouts[key] = layout(target, draft)
+        want = self._layouts[key]
+        got = layout(entry.target, entry.draft if drafter is not None else None, len(entry.tokens))
+        return got == want
 
     @staticmethod
     def note(start: Start, known: int):
@@ -275,6 +294,22 @@ class PrefixCache:
             self.entries.clear()
         for e in entries if disk is not None else ():
             disk.put(e)
+
+
+def layout(target: list, draft: Optional[list], tokens: int = 1) -> tuple:
+    """The shapes and dtypes of an entry's arrays, the token axis of attention rows left
+    out (None where it is not ``tokens`` long): what two entries of one pair share."""
+    def rows(a):
+        if a.ndim != 4 or a.shape[2] != tokens:
+            return None
+        return a.shape[:2] + a.shape[3:], a.dtype
+
+    def states(arrays):
+        return tuple(None if a is None else (a.shape, a.dtype) for a in arrays)
+
+    out = [(rows(first), rows(second)) if isinstance(first, mx.array) else states(first)
+           for first, second in target]
+    return tuple(out), None if draft is None else tuple((rows(k), rows(v)) for k, v in draft)
 
 
 def _flat(pair) -> List[mx.array]:

@@ -10,7 +10,9 @@ which then moves back into memory if it fits there.
 Each pair (the target's and the drafter's files, and how the drafter is loaded) has its own
 directory: an entry is only ever restored into the models that made it.  Files are
 safetensors, data and never code; on start-up only their token ids and layout are read
-(an unreadable file is deleted: it is a cache); arrays are read when an entry is restored.
+(an unreadable file is deleted: it is a cache, and so is a temporary file its writer left
+when it died); arrays are read when an entry is restored, and served only if they match
+the checksum written with them and have the shapes the model's caches take.
 Within ``budget`` bytes, the least recently written or used files go first.
 """
 
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm import __version__ as mlx_lm_version
 from safetensors import safe_open
 
@@ -66,6 +69,33 @@ class Spilled:
     nbytes: int
 
 
+def checksum(arrays: dict) -> str:
+    """SHA-256 of every array's name, dtype, shape and bytes (a file's tensor bytes can be
+    damaged with its header intact)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}:{a.dtype}:{a.shape};".encode())
+        h.update(memoryview(np.array(mx.contiguous(a).view(mx.uint8))))
+    return h.hexdigest()
+
+
+def _writer_gone(tmp: Path) -> bool:
+    """Whether the process that was writing ``tmp`` (``.NAME.PID.THREAD.tmp.safetensors``)
+    is gone: a writer killed mid-write leaves it behind."""
+    try:
+        pid = int(tmp.name.split(".")[-4])
+    except (IndexError, ValueError):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
+
+
 def _arrays(entry: Entry):
     """The arrays and metadata of an entry's file."""
     arrays = {"tokens": mx.array(entry.tokens, dtype=mx.uint32)}
@@ -83,7 +113,7 @@ def _arrays(entry: Entry):
     for i, (k, v) in enumerate(entry.draft or []):
         arrays[f"d{i}.k"], arrays[f"d{i}.v"] = k, v
     meta = {"format": FORMAT, "target": json.dumps(layout), "trimmable": str(int(entry.trimmable)),
-            "draft": str(len(entry.draft)) if entry.draft is not None else "none"}
+            "draft": str(len(entry.draft)) if entry.draft is not None else "none", "sha256": checksum(arrays)}
     return arrays, meta
 
 
@@ -91,6 +121,8 @@ def _entry(arrays: dict, meta: dict) -> Entry:
     """An entry from its file's arrays and metadata (KeyError/ValueError if they do not fit)."""
     if meta.get("format") != FORMAT:
         raise ValueError(f"format {meta.get('format')!r}")
+    if meta.get("sha256") != checksum(arrays):
+        raise ValueError("the arrays do not match their checksum")
     target = []
     for i, kind in enumerate(json.loads(meta["target"])):
         if kind == "kv":
@@ -126,6 +158,10 @@ class DiskTier:
         return self.root / f"{name}.safetensors"
 
     def _scan(self):
+        for tmp in self.root.glob(".*.tmp.safetensors"):
+            if _writer_gone(tmp):
+                log.warning("prefix cache: removing %s, left by a writer that is gone", tmp)
+                tmp.unlink(missing_ok=True)
         files = sorted((f for f in self.root.glob("*.safetensors") if not f.name.startswith(".")),
                        key=lambda f: f.stat().st_mtime_ns)  # (dot files: another writer's, unfinished)
         for f in files:
@@ -175,8 +211,9 @@ class DiskTier:
             self.entries[name] = Spilled(entry.tokens, entry.draft is not None, entry.trimmable, size)
             self._fit()
 
-    def load(self, name: str) -> Optional[Entry]:
-        """The entry ``name`` read back (None, and the file gone, if it cannot be read)."""
+    def load(self, name: str, fits=None) -> Optional[Entry]:
+        """The entry ``name`` read back (None, and the file gone, if it cannot be read, its
+        arrays fail their checksum, or it does not ``fits`` the model)."""
         path = self._path(name)
         if not path.exists():  # taken by another server sharing the directory
             self.remove(name)
@@ -185,6 +222,8 @@ class DiskTier:
             arrays, meta = mx.load(str(path), return_metadata=True)
             entry = _entry(arrays, meta)
             mx.eval(list(arrays.values()))
+            if fits is not None and not fits(entry):
+                raise ValueError("its arrays are not the shapes this model's caches take")
         except Exception as e:
             log.warning("prefix cache: dropping unreadable %s (%s)", path, e)
             with self._lock:
