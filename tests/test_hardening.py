@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 
 import httpx
 import mlx.core as mx
@@ -18,13 +19,13 @@ from dflash2_mlx.backend.options import MAX_SEED
 from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
 from dflash2_mlx.backend.solo import own_random
 from dflash2_mlx.loop.random_keys import RandomStream, swap_key
-from helpers import CHAT, serve_command, start_server, stop_server
+from helpers import CHAT, NO_EOS, serve_command, start_server, stop_server
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 PROMPT = "hello world"
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-WINDOW = 400  # the served model's context window
+WINDOW = 6000  # the served model's context window
 QUEUE, MAX_BATCH = 2, 2
 
 
@@ -272,3 +273,66 @@ def test_an_empty_api_key_is_refused_at_start(server, tmp_path):
                               env={**os.environ, "DFLASH2_MLX_API_KEY": key}, capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 2 and "API key is empty" in done.stderr, done.stderr
+
+
+# 3. dropped clients, big bodies, tokenizing off the loop ---------------------------------
+def metrics_of(server) -> dict:
+    return httpx.get(server["base"] + "/metrics", headers=AUTH).json()["models"]["tiny"]
+
+
+def idle_metrics(server, bound_s=30.0) -> dict:
+    """tiny's stats once no request is active (within ``bound_s``)."""
+    deadline = time.time() + bound_s
+    while time.time() < deadline:
+        m = httpx.get(server["base"] + "/metrics", headers=AUTH).json()
+        if not m["active_requests"]:
+            return m["models"]["tiny"]
+        time.sleep(0.05)
+    raise AssertionError(f"generation did not stop: {m}")
+
+
+def test_a_dropped_non_streaming_request_stops_generating(server):
+    """As a dropped stream does (behind the API key: its check must not hide the disconnect)."""
+    serves(server)
+    before = metrics_of(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["base"] + "/v1/chat/completions", headers=AUTH, timeout=1.0,
+                   json={"model": "tiny", "messages": CHAT, "max_tokens": 5000, "logit_bias": NO_EOS})
+    after = idle_metrics(server)
+    assert after["aborted_requests"] == before["aborted_requests"] + 1
+    assert after["generation_tokens"] - before["generation_tokens"] < 5000
+
+
+def test_a_body_over_the_bound_without_its_length_is_a_413(server):
+    def chunks():
+        for _ in range(17):
+            yield b" " * (1 << 20)
+    r = httpx.post(server["base"] + "/v1/chat/completions", content=chunks(), timeout=60,
+                   headers={"content-type": "application/json", **AUTH})
+    assert r.status_code == 413, r.text
+    serves(server)
+
+
+def test_tokenizing_leaves_the_event_loop_free(engine):
+    """A long prompt is encoded off the loop: other tasks run while it is."""
+    messages = [{"role": "user", "content": "abc " * 200_000}]
+
+    async def scenario():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        start = ticks
+        ids = await engine.off_loop(engine.encode_chat, messages)
+        during = ticks - start
+        task.cancel()
+        return ids, during
+
+    ids, during = run(scenario())
+    assert len(ids) > 800_000 and during > 1

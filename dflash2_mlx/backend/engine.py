@@ -2,8 +2,9 @@
 drives: ``start``/``stop``, ``generate``/``stream_generate``, ``chat``/``stream_chat``,
 ``count_chat_tokens``, ``get_stats``, ``has_active_requests`` and ``abort``.
 
-Every MLX call runs on the backend's one worker thread (``worker.py``); the event loop only
-tokenizes and moves text. Up to ``max_batch`` requests run at once, first come first served,
+Every MLX call runs on the backend's one worker thread (``worker.py``); tokenizing runs on a
+thread of its own (``off_loop``: a long prompt would stall every route meanwhile); the event
+loop only moves text. Up to ``max_batch`` requests run at once, first come first served,
 with at most ``max_queue`` waiting (``admission.py``). A request's options are checked when
 its stream is made (``options.py``). A prefix cache (``prefix_cache.py``) lets a request
 start from the caches of an earlier one that shares its first tokens.
@@ -25,7 +26,7 @@ import itertools
 import logging
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator, List, Optional, Sequence
 
@@ -49,6 +50,8 @@ __all__ = ["Engine", "Chunk", "Completion", "EngineError", "InvalidOption", "Pro
 
 log = logging.getLogger("dflash2_mlx.engine")
 _ids = itertools.count(1)
+# One thread for every engine's tokenizing: prompts are encoded one at a time, off the loop.
+TOKENIZING = ThreadPoolExecutor(1, thread_name_prefix="dflash2-tokenize")
 
 
 class Engine:
@@ -206,7 +209,12 @@ class Engine:
 
     async def count_chat_tokens(self, messages: List[dict], tools: Optional[List[dict]] = None,
                                 chat_template_kwargs: Optional[dict] = None) -> int:
-        return len(self.encode_chat(messages, tools, chat_template_kwargs))
+        return len(await self.off_loop(self.encode_chat, messages, tools, chat_template_kwargs))
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` (tokenizing, detokenizing) on the tokenizing thread: the event loop
+        serves other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(TOKENIZING, fn, *args)
 
     async def generate(self, prompt, **params) -> Completion:
         return await collect(self.stream_generate(prompt, **params))
@@ -233,6 +241,12 @@ class Engine:
         if "prompt_logprobs" in params:
             raise TypeError("prompt_logprobs is an option of stream_generate (a chat's prompt is its template's)")
         return self._stream(self.encode_chat(messages, tools, chat_template_kwargs), params, request_id, tools, True)
+
+    def stream_ids(self, ids: List[int], tools: Optional[List[dict]] = None, *, chat: bool = False,
+                   request_id: Optional[str] = None, **params) -> AsyncIterator[Chunk]:
+        """Stream a completion of ids already encoded (``encode`` or ``encode_chat``, e.g. by
+        ``off_loop``); ``chat``: the reply of a chat (tool calls parsed from it)."""
+        return self._stream(self.encode(ids), params, request_id, tools, chat)
 
     def _check_running(self):
         if not self.running:

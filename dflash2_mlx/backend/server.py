@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
@@ -31,7 +32,7 @@ from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeReque
                        completion_response, error_body, new_id, validation_error)
 from .settings import SettingsError
 from .sse import chat_events, completion_events, sse_response
-from .wire import EngineError, InvalidOption, PromptTooLong, QueueFull
+from .wire import EngineError, InvalidOption, PromptTooLong, QueueFull, collect
 
 log = logging.getLogger("dflash2_mlx.server")
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -66,13 +67,24 @@ def _lifespan(pool: EnginePool, preload):
 
 def _add_api_key(app: FastAPI, api_key: Optional[str]):
     """With an API key, every route but /health answers 401 without it."""
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if api_key and request.url.path != "/health" and not _key_matches(request, api_key):
-            body = error_body("a valid API key is needed: Authorization: Bearer KEY",
-                              "invalid_request_error", code="invalid_api_key")
-            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKey, key=api_key)
+
+
+class APIKey:
+    """The API key check as a plain ASGI middleware: ``@app.middleware("http")`` runs the
+    route behind a wrapper that keeps the client's disconnect from it, so a dropped
+    non-streaming request would generate to its end."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health" or _key_matches(Headers(scope=scope), self.key):
+            return await self.app(scope, receive, send)
+        body = error_body("a valid API key is needed: Authorization: Bearer KEY",
+                          "invalid_request_error", code="invalid_api_key")
+        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI):
@@ -104,7 +116,7 @@ def _add_status_routes(app: FastAPI, pool: EnginePool, api_key: Optional[str]):
         problem = pool.settings_problem()
         out = {"status": "degraded" if problem else "ok", "loaded_models": list(pool.engines),
                "active_requests": pool.has_active_requests()}
-        if problem and api_key and not _key_matches(request, api_key):
+        if problem and api_key and not _key_matches(request.headers, api_key):
             # The settings file's path and its parse error are the operator's to see.
             out["problem"] = "the settings file cannot be used; serving with the last good settings"
         elif problem:
@@ -134,16 +146,13 @@ def _add_generation_routes(app: FastAPI, pool: EnginePool):
         body = await _parse(request, ChatRequest)
         engine = await _engine(pool, body)
         rid = new_id("chatcmpl")
-        messages = body.template_messages()
         with _mapped_errors():
+            ids = await engine.off_loop(engine.encode_chat, body.template_messages(), body.tools,
+                                        body.chat_template_kwargs)
+            chunks = engine.stream_ids(ids, body.tools, chat=True, request_id=rid, **body.options())
             if body.stream:
-                chunks = engine.stream_chat(messages, body.tools, request_id=rid,
-                                            chat_template_kwargs=body.chat_template_kwargs, **body.options())
                 return sse_response(chat_events(rid, body, chunks), engine, rid)
-            completion = await _until_disconnect(
-                request, engine.chat(messages, body.tools, request_id=rid,
-                                     chat_template_kwargs=body.chat_template_kwargs, **body.options()),
-                engine, rid)
+            completion = await _until_disconnect(request, collect(chunks), engine, rid)
         return chat_response(rid, body.model, completion, bool(body.logprobs))
 
     @app.post("/v1/completions")
@@ -157,16 +166,16 @@ def _add_generation_routes(app: FastAPI, pool: EnginePool):
             raise APIError(400, f"a batch of {len(prompts)} prompts is more than this server takes at "
                            f"once ({most})", param="prompt")
         with _mapped_errors():
-            echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
+            encoded = await engine.off_loop(lambda: [engine.encode(p) for p in prompts])
+            echoed = await engine.off_loop(_echoed, engine, prompts) if body.echo else None
             if body.stream:
-                chunks = engine.stream_generate(prompts[0], request_id=rid, **body.options())
+                chunks = engine.stream_ids(encoded[0], request_id=rid, **body.options())
                 return sse_response(completion_events(rid, body, chunks, echoed and echoed[0]), engine, rid)
             # A batch of prompts runs side by side (the engine batches them where it can); one
             # that fails fails the request, and stops the others.
-            ids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(prompts))]
-            completions = await _until_disconnect(
-                request, asyncio.gather(*(engine.generate(p, request_id=r, **body.options())
-                                          for p, r in zip(prompts, ids))), engine, *ids)
+            rids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(prompts))]
+            streams = [engine.stream_ids(ids, request_id=r, **body.options()) for ids, r in zip(encoded, rids)]
+            completions = await _until_disconnect(request, asyncio.gather(*map(collect, streams)), engine, *rids)
         return completion_response(rid, body.model, completions, body.logprobs is not None, echoed)
 
 
@@ -187,12 +196,13 @@ def _add_tokenizer_routes(app: FastAPI, pool: EnginePool):
         engine = await _engine(pool, body)
         with _mapped_errors():
             if body.messages is not None:
-                ids = engine.encode_chat(body.template_messages())
+                ids = await engine.off_loop(engine.encode_chat, body.template_messages())
             else:
-                ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+                ids = list(await engine.off_loop(lambda: engine.tokenizer.encode(
+                    body.prompt, add_special_tokens=body.add_special_tokens)))
         out = {"count": len(ids), "max_model_len": engine.context_window, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = [engine.tokenizer.decode([t]) for t in ids]
+            out["token_strs"] = await engine.off_loop(lambda: [engine.tokenizer.decode([t]) for t in ids])
         return out
 
     @app.post("/detokenize")
@@ -200,7 +210,7 @@ def _add_tokenizer_routes(app: FastAPI, pool: EnginePool):
         body = await _parse(request, DetokenizeRequest)
         engine = await _engine(pool, body)
         with _mapped_errors():
-            return {"prompt": engine.tokenizer.decode(engine.encode(body.tokens))}
+            return {"prompt": await engine.off_loop(lambda: engine.tokenizer.decode(engine.encode(body.tokens)))}
 
 
 class _Named:
@@ -222,8 +232,8 @@ def _model_card(pool: EnginePool, model_id: str) -> dict:
     return card
 
 
-def _key_matches(request: Request, key: str) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+def _key_matches(headers, key: str) -> bool:
+    scheme, _, given = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
@@ -258,9 +268,11 @@ async def _parse(request: Request, schema):
                        code="unsupported_media_type")
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    raw = bytearray()
+    async for part in request.stream():  # a body sent without its length stops at the bound too
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
     try:
         return _validated(raw, schema)
     except RecursionError:
@@ -361,9 +373,9 @@ async def _until_disconnect(request: Request, work, engine, *rids):
             task.cancel()
 
 
-def _prompt_text(engine, prompt) -> str:
-    """What echo puts before a completion: the prompt as sent, token ids as text."""
-    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(engine.encode(prompt))
+def _echoed(engine, prompts) -> list:
+    """What echo puts before each completion: the prompt as sent, token ids as text."""
+    return [p if isinstance(p, str) else engine.tokenizer.decode(engine.encode(p)) for p in prompts]
 
 
 def serve(pool: EnginePool, host: str = "127.0.0.1", port: int = 8000, preload=(),
