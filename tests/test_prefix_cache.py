@@ -3,6 +3,7 @@ give exactly the text of a run without them (greedy), for attention and hybrid t
 DFlash on (fixed and adaptive blocks) and off; memory stays within the budget."""
 
 import asyncio
+import gc
 
 import mlx.core as mx
 import pytest
@@ -195,3 +196,31 @@ def test_omlx_cache_and_window_settings(cache_pair):
             assert engine.get_stats()["prefix_cache_entries"] == 1
     finally:
         asyncio.run(engine.stop())
+
+
+def test_entries_hold_no_more_memory_than_they_count(cache_pair):
+    """An entry keeps copies of the rows it covers, not views into the caches' buffers
+    (mlx-lm's grow in steps of 256 rows, and a view keeps the whole buffer alive): the
+    memory the entries hold is what the cache counts, so its budget bounds real memory."""
+    target, drafter, _ = cache_pair
+    engine = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter),
+                                          dflash_block_size=4), model_id="t", prefix_cache_gb=1.0)
+    asyncio.run(engine.start())
+    try:
+        asyncio.run(engine.generate("warm up", max_tokens=4))
+        engine.prefix_cache.close()
+        before = on_worker(_settled_memory)
+        for prompt in ("abc", "hello world", "zebra quiz", "what next"):
+            asyncio.run(engine.generate(prompt, max_tokens=6, logit_bias=NO_EOS))
+        held = on_worker(_settled_memory) - before
+        counted = engine.get_stats()["prefix_cache_bytes"]
+        assert engine.get_stats()["prefix_cache_entries"] >= 4 and counted > 0
+        assert held <= 1.5 * counted, (held, counted)
+    finally:
+        asyncio.run(engine.stop())
+
+
+def _settled_memory() -> int:
+    gc.collect()
+    mx.clear_cache()
+    return mx.get_active_memory()

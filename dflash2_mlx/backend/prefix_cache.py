@@ -96,7 +96,9 @@ def _held(cache) -> Optional[int]:
 
 
 def _rows(c: KVCache, n: int):
-    return c.keys[..., :n, :], c.values[..., :n, :]
+    """Copies of the first ``n`` rows: a slice would keep the cache's whole buffer alive
+    (mlx-lm's grow in steps of 256 rows), memory the entry's count does not see."""
+    return mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :])
 
 
 def _load_rows(c: KVCache, rows, n: int):
