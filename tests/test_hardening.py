@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import mlx.core as mx
@@ -336,3 +337,33 @@ def test_tokenizing_leaves_the_event_loop_free(engine):
 
     ids, during = run(scenario())
     assert len(ids) > 800_000 and during > 1
+
+
+# The load test: valid and malformed requests into a running batch (last: it stops the server)
+def test_malformed_requests_into_a_running_batch_touch_no_valid_reply(server, reference):
+    """Every valid reply equals its reply alone, every malformed request is a 4xx, none a
+    500; afterwards the server serves, and SIGTERM stops it."""
+    prompts = [f"{w} and then {v}" for w in ("red", "blue", "green") for v in ("up", "down", "away", "in")]
+    alone = {p: reference(p, max_tokens=24) for p in prompts}
+    bad = [body for body, _ in REFUSED] * 2
+
+    def valid(prompt):
+        r = post(server, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 24})
+        return prompt, r.status_code, r.json()
+
+    def malformed(extra):
+        return chat(server, **extra).status_code
+
+    failed = metrics_of(server)["failed_requests"]
+    with ThreadPoolExecutor(QUEUE + MAX_BATCH) as good_pool, ThreadPoolExecutor(4) as bad_pool:
+        goods = [good_pool.submit(valid, p) for p in prompts]
+        bads = [bad_pool.submit(malformed, b) for b in bad]
+        goods, bads = [f.result() for f in goods], [f.result() for f in bads]
+    for prompt, status, body in goods:
+        assert status == 200, body
+        assert body["choices"][0]["text"] == alone[prompt], prompt
+    assert all(400 <= s < 500 for s in bads), bads
+    assert metrics_of(server)["failed_requests"] == failed  # none began and failed inside
+    serves(server)
+    server["proc"].terminate()
+    assert server["proc"].wait(timeout=30) is not None
