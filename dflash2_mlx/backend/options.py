@@ -149,12 +149,12 @@ def sampling_params(o: RequestOptions, s: ModelSettings, tokenizer,
         special = tuple(xtc_special_tokens(tokenizer))
     try:
         params = SamplingParams(temp=first_set(o.temperature, s.temperature, 0.0),
-                              top_p=first_set(o.top_p, s.top_p, 1.0),
-                              top_k=first_set(o.top_k, s.top_k, 0),
-                              min_p=first_set(o.min_p, s.min_p, 0.0),
-                              min_tokens_to_keep=first_set(o.min_tokens_to_keep, 1),
-                              xtc_probability=xtc, xtc_threshold=first_set(o.xtc_threshold, 0.1),
-                              xtc_special_tokens=special)
+                                top_p=first_set(o.top_p, s.top_p, 1.0),
+                                top_k=first_set(o.top_k, s.top_k, 0),
+                                min_p=first_set(o.min_p, s.min_p, 0.0),
+                                min_tokens_to_keep=first_set(o.min_tokens_to_keep, 1),
+                                xtc_probability=xtc, xtc_threshold=first_set(o.xtc_threshold, 0.1),
+                                xtc_special_tokens=special)
     except ValueError as e:
         name = str(e).split()[0]
         raise InvalidOption("temperature" if name == "temp" else name, str(e)) from None
