@@ -8,7 +8,7 @@ config (same shapes, same cost) with random weights, 8-bit like the shipped one.
         --drafter-v2 /tmp/random-drafter --no-v1 --samples 1 --temp 0
 """
 
-import sys
+import argparse
 
 import mlx.core as mx
 
@@ -17,9 +17,12 @@ from dflash2_mlx.model.drafter import Drafter
 from dflash2_mlx.model.checkpoint import load_drafter, quantize, save_drafter
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="directory to write the random drafter to")
+    out = ap.parse_args().out
     config = load_drafter(str(drafter_path())).config
     mx.random.seed(0)
     drafter = Drafter(config)
     quantize(drafter, 8, 64)
-    save_drafter(drafter, sys.argv[1])
-    print(sys.argv[1])
+    save_drafter(drafter, out)
+    print(out)

