@@ -440,7 +440,7 @@ def test_batch_timing_is_kept_for_the_next_process(pairs, tmp_path, monkeypatch)
     model, tok, drafter = pairs["qwen3"]
     target = attach(model, drafter)
     key = adaptive.cost_key(target, drafter)
-    adaptive._costs[key] = measured = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
+    adaptive.cost_models[key] = measured = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
     try:
         gen = BatchGenerator(model, drafter, block_size="auto")
         for text in ("abcab dcba", "dd cb"):
@@ -449,11 +449,11 @@ def test_batch_timing_is_kept_for_the_next_process(pairs, tmp_path, monkeypatch)
         gen.close()
         observed = dict(adaptive.timing_for(key, measured).observed)
         assert any(k.startswith("batch2-") for k in observed)
-        adaptive._timings.clear()  # a new process: from disk
+        adaptive.timings.clear()  # a new process: from disk
         assert adaptive.timing_for(key, measured).observed == pytest.approx(observed)
     finally:
-        adaptive._costs.clear()
-        adaptive._timings.clear()
+        adaptive.cost_models.clear()
+        adaptive.timings.clear()
 
 
 def test_adaptive_policy_sees_the_batch(pairs):

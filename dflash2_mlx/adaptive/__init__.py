@@ -24,10 +24,6 @@ from .store import cache_dir
 from .timing import (TIMING_CLIP, TIMING_DECAY, TIMING_FORMAT, TIMING_PRIOR, Corrected, Timing, kind, save_timing,
                      timing_for, timing_path, timings)
 
-# The in-memory caches under their former names, which tests/test_batch.py still uses (the
-# same dicts as ``cost_models`` and ``timings``).
-_costs, _timings = cost_models, timings
-
 __all__ = [
     "AUTO", "Acceptance", "Adaptive", "CALIBRATION", "CONTEXTS", "COPY_LARGEST", "COPY_PRIOR_RATE", "COPY_ROWS",
     "Choice", "Corrected", "CostModel", "DECAY", "Fixed", "Line", "PLAIN_RUN", "PRIOR_RATE", "PRIOR_WEIGHT",
