@@ -198,7 +198,7 @@ def verify_greedy(logits: mx.array, draft: mx.array):
     (accepted, bonus, logprobs of the rows up to the bonus's).
 
     Acceptance follows the argmax of the log-probabilities, as a plain mlx-lm step does.
-    A log-softmax costs ~0.6 ms a row here (an exp per vocabulary entry), so it is left lazy
+    A log-softmax costs an exp per vocabulary entry and row, so it is left lazy
     (computed only if a caller reads it) wherever the raw logits' argmax is sure to be the
     same (``clear_winners``); where a row's two largest logits are too close, the emitted
     rows' log-probabilities decide, and where those disagree with the raw argmax every row
