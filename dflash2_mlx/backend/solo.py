@@ -12,7 +12,7 @@ from typing import List, Optional
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..generate import stream_generate
-from ..loop.random_keys import fresh_key, restore_key, swap_key
+from ..loop.random_keys import RandomStream, fresh_key
 from ..loop.scoring import prompt_logprobs
 from .admission import DONE, Request
 from .prefix_cache import PrefixCache, Start
@@ -41,18 +41,13 @@ def own_random(steps):
     """A stepped job with its own random key: jobs that take turns on the worker do not
     draw from each other's streams (a seeded request keeps its text)."""
     def job(*args):
-        gen, key = steps(*args), fresh_key()
+        gen, stream = steps(*args), RandomStream(fresh_key())
         while True:
-            outer = swap_key(key)
-            try:
-                next(gen)
-            except StopIteration:
-                key = swap_key(outer)
-                return
-            except BaseException:  # the global key may be unreadable: put the outer one back
-                restore_key(outer)
-                raise
-            key = swap_key(outer)
+            with stream:
+                try:
+                    next(gen)
+                except StopIteration:
+                    return
             yield
 
     return job
