@@ -12,8 +12,6 @@ route but ``/health`` needs ``Authorization: Bearer KEY``; otherwise 401.
 """
 
 import asyncio
-import hmac
-import json
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,21 +20,19 @@ from typing import Optional
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
+from . import anthropic, ollama, responses
+from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
+from .pool import EnginePool, UnknownModel
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_response,
-                       completion_response, error_body, new_id, validation_error)
+                       completion_response, new_id, validation_error)
 from .settings import SettingsError
 from .sse import chat_events, completion_events, sse_response
-from .wire import EngineError, InvalidOption, PromptTooLong, QueueFull, collect
+from .wire import collect
 
 log = logging.getLogger("dflash2_mlx.server")
-MAX_BODY_BYTES = 16 * 1024 * 1024
-DISCONNECT_POLL_S = 0.25
 TTL_POLL_S = 1.0
 
 
@@ -48,6 +44,9 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
     _add_status_routes(app, pool, api_key)
     _add_generation_routes(app, pool)
     _add_tokenizer_routes(app, pool)
+    anthropic.add_routes(app, pool)
+    responses.add_routes(app, pool)
+    ollama.add_routes(app, pool)
     return app
 
 
@@ -80,33 +79,32 @@ class APIKey:
         self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health" or _key_matches(Headers(scope=scope), self.key):
+        if scope["type"] != "http" or scope["path"] == "/health" or key_matches(Headers(scope=scope), self.key):
             return await self.app(scope, receive, send)
-        body = error_body("a valid API key is needed: Authorization: Bearer KEY",
-                          "invalid_request_error", code="invalid_api_key")
-        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        e = APIError(401, "a valid API key is needed: Authorization: Bearer KEY (or x-api-key: KEY)",
+                     code="invalid_api_key")
+        await error_response(scope["path"], e, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI):
-    """Every error in OpenAI's body."""
+    """Every error in the shape of the API its route belongs to (``http.error_shape``)."""
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(request.url.path, e)
 
     @app.exception_handler(RequestValidationError)
     async def request_validation(request, e):
-        err = validation_error(e)
-        return JSONResponse(err.body(), status_code=400)
+        return error_response(request.url.path, validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+        return error_response(request.url.path, APIError(e.status_code, str(e.detail), type=kind))
 
     @app.exception_handler(Exception)
     async def internal(request, e):
         log.exception("request failed")
-        return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
+        return error_response(request.url.path, APIError(500, f"internal error: {e}", type="server_error"))
 
 
 def _add_status_routes(app: FastAPI, pool: EnginePool, api_key: Optional[str]):
@@ -116,7 +114,7 @@ def _add_status_routes(app: FastAPI, pool: EnginePool, api_key: Optional[str]):
         problem = pool.settings_problem()
         out = {"status": "degraded" if problem else "ok", "loaded_models": list(pool.engines),
                "active_requests": pool.has_active_requests()}
-        if problem and api_key and not _key_matches(request.headers, api_key):
+        if problem and api_key and not key_matches(request.headers, api_key):
             # The settings file's path and its parse error are the operator's to see.
             out["problem"] = "the settings file cannot be used; serving with the last good settings"
         elif problem:
@@ -136,36 +134,36 @@ def _add_status_routes(app: FastAPI, pool: EnginePool, api_key: Optional[str]):
         try:
             return _model_card(pool, pool.resolve(model_id))
         except UnknownModel:
-            raise _unknown(model_id) from None
+            raise unknown_model(model_id) from None
 
 
 def _add_generation_routes(app: FastAPI, pool: EnginePool):
     """/v1/chat/completions and /v1/completions."""
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatRequest)
-        engine = await _engine(pool, body)
+        body = await parse(request, ChatRequest)
+        engine = await engine_for(pool, body)
         rid = new_id("chatcmpl")
-        with _mapped_errors():
+        with mapped_errors():
             ids = await engine.off_loop(engine.encode_chat, body.template_messages(), body.tools,
                                         body.chat_template_kwargs)
             chunks = engine.stream_ids(ids, body.tools, chat=True, request_id=rid, **body.options())
             if body.stream:
                 return sse_response(chat_events(rid, body, chunks), engine, rid)
-            completion = await _until_disconnect(request, collect(chunks), engine, rid)
+            completion = await until_disconnect(request, collect(chunks), engine, rid)
         return chat_response(rid, body.model, completion, bool(body.logprobs))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
-        engine = await _engine(pool, body)
+        body = await parse(request, CompletionRequest)
+        engine = await engine_for(pool, body)
         rid = new_id("cmpl")
         prompts = body.prompts
         most = engine.max_queue + engine.max_running()
         if len(prompts) > most:  # each prompt is one request: more than this is never taken
             raise APIError(400, f"a batch of {len(prompts)} prompts is more than this server takes at "
                            f"once ({most})", param="prompt")
-        with _mapped_errors():
+        with mapped_errors():
             encoded = await engine.off_loop(lambda: [engine.encode(p) for p in prompts])
             echoed = await engine.off_loop(_echoed, engine, prompts) if body.echo else None
             if body.stream:
@@ -175,7 +173,7 @@ def _add_generation_routes(app: FastAPI, pool: EnginePool):
             # that fails fails the request, and stops the others.
             rids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(prompts))]
             streams = [engine.stream_ids(ids, request_id=r, **body.options()) for ids, r in zip(encoded, rids)]
-            completions = await _until_disconnect(request, asyncio.gather(*map(collect, streams)), engine, *rids)
+            completions = await until_disconnect(request, asyncio.gather(*map(collect, streams)), engine, *rids)
         return completion_response(rid, body.model, completions, body.logprobs is not None, echoed)
 
 
@@ -183,7 +181,7 @@ def _add_tokenizer_routes(app: FastAPI, pool: EnginePool):
     """vLLM's /tokenizer_info, /tokenize and /detokenize."""
     @app.get("/tokenizer_info")
     async def tokenizer_info(model: Optional[str] = None):
-        engine = await _engine(pool, _Named(model))
+        engine = await engine_for(pool, _Named(model))
         tok = engine.tokenizer
         return {"tokenizer_class": type(getattr(tok, "_tokenizer", tok)).__name__,
                 "eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": tok.pad_token,
@@ -192,9 +190,9 @@ def _add_tokenizer_routes(app: FastAPI, pool: EnginePool):
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _parse(request, TokenizeRequest)
-        engine = await _engine(pool, body)
-        with _mapped_errors():
+        body = await parse(request, TokenizeRequest)
+        engine = await engine_for(pool, body)
+        with mapped_errors():
             if body.messages is not None:
                 ids = await engine.off_loop(engine.encode_chat, body.template_messages())
             else:
@@ -207,9 +205,9 @@ def _add_tokenizer_routes(app: FastAPI, pool: EnginePool):
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _parse(request, DetokenizeRequest)
-        engine = await _engine(pool, body)
-        with _mapped_errors():
+        body = await parse(request, DetokenizeRequest)
+        engine = await engine_for(pool, body)
+        with mapped_errors():
             return {"prompt": await engine.off_loop(lambda: engine.tokenizer.decode(engine.encode(body.tokens)))}
 
 
@@ -232,71 +230,6 @@ def _model_card(pool: EnginePool, model_id: str) -> dict:
     return card
 
 
-def _key_matches(headers, key: str) -> bool:
-    scheme, _, given = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
-
-
-def _json_content_type(request: Request) -> bool:
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    return not kind or kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
-
-
-def _surrogate_path(value, path=()):
-    """The location of the first string with a lone UTF-16 surrogate, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        found = _surrogate_path(v, path + (k,))
-        if found is not None:
-            return found
-    return None
-
-
-def _unknown(model_id: str) -> APIError:
-    return APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-
-
-async def _parse(request: Request, schema):
-    if not _json_content_type(request):
-        raise APIError(415, "the request body must be JSON: send it with Content-Type: application/json",
-                       code="unsupported_media_type")
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
-    raw = bytearray()
-    async for part in request.stream():  # a body sent without its length stops at the bound too
-        raw += part
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
-    try:
-        return _validated(raw, schema)
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deep") from None
-
-
-def _validated(raw: bytes, schema):
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    where = _surrogate_path(data)
-    if where is not None:
-        param = ".".join(str(k) for k in where)
-        raise APIError(400, f"invalid value for {param}: text with a lone UTF-16 surrogate "
-                       "(not valid Unicode)", param=str(where[0]))
-    try:
-        return schema.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
-
-
 async def _expire_idle(pool: EnginePool):
     """Unload models idle past their ttl_seconds, checking every TTL_POLL_S."""
     while True:
@@ -305,72 +238,6 @@ async def _expire_idle(pool: EnginePool):
             await pool.expire()
         except Exception:  # the server goes on; the next round tries again
             log.exception("unloading idle models failed")
-
-
-async def _engine(pool: EnginePool, body):
-    """The engine of the model the request names (an id, an alias, or none: the default);
-    ``body.model`` becomes the name the replies show."""
-    try:
-        model_id = pool.resolve(body.model)
-    except UnknownModel:
-        raise _unknown(body.model) from None
-    except NoDefaultModel as e:
-        raise APIError(400, str(e), param="model") from None
-    body.model = body.model or pool.public_name(model_id)
-    try:
-        return await pool.get(model_id)
-    except UnknownModel:
-        raise _unknown(model_id) from None
-    except PoolBusy as e:
-        raise APIError(503, str(e), type="server_error", code="server_busy") from None
-    except SettingsError as e:
-        raise APIError(400, f"the settings of {model_id} cannot be used: {e}", param=e.param,
-                       code="invalid_model_settings") from None
-    except (ValueError, OSError) as e:
-        raise APIError(500, f"model {model_id} failed to load: {e}", type="server_error") from None
-
-
-class _mapped_errors:
-    """Engine exceptions -> OpenAI error statuses."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if e is None or isinstance(e, APIError):
-            return False
-        if isinstance(e, InvalidOption):
-            raise APIError(400, str(e), param=e.param) from None
-        if isinstance(e, PromptTooLong):
-            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
-        if isinstance(e, QueueFull):
-            raise APIError(503, f"server busy: {e}", type="server_error", code="queue_full") from None
-        if isinstance(e, EngineError):
-            raise APIError(503, str(e), type="server_error") from None
-        if isinstance(e, (ValueError, TypeError)):
-            raise APIError(400, str(e)) from None
-        return False
-
-
-async def _until_disconnect(request: Request, work, engine, *rids):
-    """Await ``work``; if the client goes away first, or the work fails (one prompt of a
-    batch), abort its requests (a no-op for those already finished)."""
-    task = asyncio.ensure_future(work)
-    finished = False
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                result = task.result()
-                finished = True
-                return result
-            if await request.is_disconnected():
-                raise APIError(499, "client disconnected")
-    finally:
-        if not finished:
-            for rid in rids:
-                engine.abort(rid)
-            task.cancel()
 
 
 def _echoed(engine, prompts) -> list:
