@@ -47,14 +47,15 @@ def setup(tmp_path_factory):
     return out
 
 
+SLOW = pytest.mark.slow  # the same check under more option mixes: CI's slow run has them
 CASES = [
     (1, dict(temp=1.0)),
-    (2, dict(temp=0.8, top_p=0.9)),
-    (1, dict(temp=0.7, top_k=3)),
+    pytest.param(2, dict(temp=0.8, top_p=0.9), marks=SLOW),
+    pytest.param(1, dict(temp=0.7, top_k=3), marks=SLOW),
     (2, dict(temp=1.2, top_k=4, min_p=0.05, rep=(1.6, 4))),
-    ("1-vocab", dict(temp=1.0)),
+    pytest.param("1-vocab", dict(temp=1.0), marks=SLOW),
     ("2-vocab", dict(temp=0.9, top_p=0.95)),
-    (2, dict(temp=1.0, xtc=(0.6, 0.1, ()))),
+    pytest.param(2, dict(temp=1.0, xtc=(0.6, 0.1, ())), marks=SLOW),
     (1, dict(temp=0.8, min_p=0.02, top_k=4, xtc=(0.8, 0.15, (1,)))),
 ]
 
@@ -103,7 +104,7 @@ def test_first_tokens_follow_target_distribution(setup, version, kw):
 
 # With top-p this target never samples the copied token (its rejections are tested there).
 @pytest.mark.parametrize("kw,accepts", [(dict(temp=1.0), True),
-                                        (dict(temp=0.7, top_p=0.95, rep=(1.1, 4)), False)])
+                                        pytest.param(dict(temp=0.7, top_p=0.95, rep=(1.1, 4)), False, marks=SLOW)])
 def test_copied_blocks_follow_target_distribution(setup, kw, accepts):
     """A prompt that repeats itself: where the first token continues the repetition the
     block is a copy (one-hot rows, no drafter pass), elsewhere a draft; either way the
