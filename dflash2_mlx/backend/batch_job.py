@@ -255,7 +255,7 @@ class Batching:
                              generation_tps=j.n / max(now - j.first, 1e-9),
                              block_sizes=dict(sorted(st.block_sizes.items())), fallback=st.fallback,
                              cached_tokens=j.start.reused, engine=j.decoding, shadows=st.shadows,
-                             logprobs=j.reply.take()))
+                             logprobs=j.reply.take(), stop_sequence=j.reply.matcher.hit))
             if j.finish:
                 ended.append(r.uid)
         for uid in ended:

@@ -154,7 +154,7 @@ class SoloStream:
                            completion_tokens=self.n, tool_calls=calls, tau=last.tau, cycles=last.cycles,
                            generation_tps=last.generation_tps, block_sizes=last.block_sizes,
                            fallback=last.fallback, cached_tokens=self.start.reused, engine=self.decoding,
-                           shadows=last.shadows, logprobs=reply.take()))
+                           shadows=last.shadows, logprobs=reply.take(), stop_sequence=reply.matcher.hit))
             if self.finish:
                 break
             yield

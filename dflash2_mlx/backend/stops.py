@@ -1,7 +1,7 @@
 """Stop strings over streamed text: emit what cannot be the start of a stop string, hold
 back the rest, and cut the text at the first stop string."""
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 
 class StopMatcher:
@@ -10,6 +10,7 @@ class StopMatcher:
         self.text = ""  # everything generated so far
         self.sent = 0  # how much of it has been emitted
         self.text_after_stop = ""  # what followed the stop string in the piece that hit it
+        self.hit: Optional[str] = None  # the stop string that hit (Anthropic's stop_sequence)
 
     def add(self, piece: str) -> Tuple[str, bool]:
         """Add generated text; returns (text safe to emit now, whether a stop string hit)."""
@@ -19,6 +20,7 @@ class StopMatcher:
         if hits:
             end, neg = min(hits)
             self.text_after_stop = self.text[end - neg:]
+            self.hit = self.text[end:end - neg]
             out, self.text = self.text[self.sent:end], self.text[:end]
             self.sent = end
             return out, True

@@ -55,6 +55,7 @@ class Output:
     # With the request option prompt_logprobs: one entry per prompt token, the first with
     # logprob and top_logprobs None (nothing comes before it).
     prompt_logprobs: Optional[List[dict]] = None
+    stop_sequence: Optional[str] = None  # the request's stop string that ended it, if one did
 
 
 @dataclass(kw_only=True)
@@ -82,4 +83,5 @@ async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
                       completion_tokens=last.completion_tokens, tool_calls=calls, tau=last.tau,
                       cycles=last.cycles, generation_tps=last.generation_tps, block_sizes=last.block_sizes,
                       fallback=last.fallback, cached_tokens=last.cached_tokens, engine=last.engine,
-                      shadows=last.shadows, logprobs=logprobs, prompt_logprobs=prompt)
+                      shadows=last.shadows, logprobs=logprobs, prompt_logprobs=prompt,
+                      stop_sequence=last.stop_sequence)
