@@ -34,6 +34,28 @@ def sse_response(events, engine, rid) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def framed_response(frames, engine, rid, error_frame) -> StreamingResponse:
+    """A stream in an API's own event framing: ``frames`` yields each event's text; an error
+    mid-stream is sent as ``error_frame(e: APIError)`` and ends it. The request is aborted at
+    the end (a no-op once finished; it stops the generation on a disconnect)."""
+    async def body():
+        try:
+            async for text in frames:
+                yield text
+        except APIError as e:
+            yield error_frame(e)
+        except (QueueFull, EngineError) as e:
+            yield error_frame(APIError(503, str(e), type="server_error"))
+        except Exception as e:
+            log.exception("stream failed")
+            yield error_frame(APIError(500, f"internal error: {e}", type="server_error"))
+        finally:
+            engine.abort(rid)
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 async def chat_events(rid, body: ChatRequest, chunks):
     created = int(time.time())
     yield chat_chunk(rid, body.model, created, {"role": "assistant", "content": ""})
