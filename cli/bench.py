@@ -10,7 +10,7 @@ import typer
 # `dflash2-mlx --help` stays fast.
 
 bench_app = typer.Typer(
-    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts), `bench serve` (the server under concurrent clients) and `bench kernels`.",
+    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts), `bench serve` (the server under concurrent clients), `bench agent` (an agent session through each API) and `bench kernels`.",
     invoke_without_command=True, add_completion=False,
 )
 
@@ -122,6 +122,38 @@ def serve(
                                  baseline_streams=baseline_streams or None, temp=temp,
                                  bench_files=bench_files, seed=seed, block_size=block_size,
                                  work_dir=out, log=lambda s: typer.echo(s, err=True))
+    except (ValueError, RuntimeError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    paths = write_report(report, out)
+    typer.echo(markdown(report))
+    typer.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+
+
+@bench_app.command("agent")
+def agent(
+    apis: List[str] = typer.Option(["openai-chat", "anthropic", "responses", "ollama"], "--api", help="Wire formats the DFlash sessions go through; repeat (openai-chat, anthropic, responses, ollama)."),
+    max_tokens: int = typer.Option(48, "--max-tokens", help="Tokens of each reply (T=0)."),
+    result_tokens: List[int] = typer.Option([], "--result-tokens", help="Tokens of each turn's tool result; repeat (default: 10 turns of 250-1600 tokens, about 7k in all)."),
+    mlx_lm: bool = typer.Option(True, "--mlx-lm/--no-mlx-lm", help="Also run the session on mlx_lm.server (plain, mlx-lm's prompt cache)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target directory (with --draft). Default: the built-in SmolLM2-135M-Instruct and its shipped DFlash 2 drafter."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="The drafter for --model."),
+    out: Path = typer.Option(Path("bench-agent-out"), "--out", "-o", help="Report directory: bench-agent.json, bench-agent.md (and the servers' logs)."),
+):
+    """An agent session (tools, 8-12 turns, tool results growing the context) replayed
+    through each API on DFlash, on plain decoding with no prefix cache, and on mlx_lm.server,
+    one server at a time: time to first token, decode tok/s and τ per turn."""
+    from ..eval.bench_agent import APIS, RESULT_TOKENS, markdown, run_agent_bench, write_report
+
+    if model is not None and draft is None:
+        raise typer.BadParameter("--model needs --draft (the drafter the DFlash server uses)")
+    unknown = [a for a in apis if a not in APIS]
+    if unknown or max_tokens < 2 or any(n < 1 for n in result_tokens):
+        raise typer.BadParameter(f"--api is one of {', '.join(APIS)}; --max-tokens >= 2; --result-tokens >= 1")
+    try:
+        report = run_agent_bench(model=model, draft=draft, apis=apis, max_tokens=max_tokens,
+                                 sizes=result_tokens or RESULT_TOKENS, mlx_lm=mlx_lm, work_dir=out,
+                                 log=lambda s: typer.echo(s, err=True))
     except (ValueError, RuntimeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
