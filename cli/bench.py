@@ -10,7 +10,7 @@ import typer
 # `dflash2-mlx --help` stays fast.
 
 bench_app = typer.Typer(
-    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts), `bench serve` (the server under concurrent clients), `bench agent` (an agent session through each API) and `bench kernels`.",
+    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts), `bench serve` (the server under concurrent clients), `bench agent` (an agent session through each API), `bench distributed` (a target split over ranks) and `bench kernels`.",
     invoke_without_command=True, add_completion=False,
 )
 
@@ -154,6 +154,41 @@ def agent(
         report = run_agent_bench(model=model, draft=draft, apis=apis, max_tokens=max_tokens,
                                  sizes=result_tokens or RESULT_TOKENS, mlx_lm=mlx_lm, work_dir=out,
                                  log=lambda s: typer.echo(s, err=True))
+    except (ValueError, RuntimeError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    paths = write_report(report, out)
+    typer.echo(markdown(report))
+    typer.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+
+
+@bench_app.command("distributed")
+def distributed(
+    mode: str = typer.Option("tensor", "--mode", help="How the target is split: tensor or pipeline."),
+    ranks: int = typer.Option(3, "--ranks", "-n", help="Ranks launched on this machine (127.0.0.1, ring backend). The built-in target's 9 heads / 3 KV heads split over 3 for tensor."),
+    samples: int = typer.Option(1, "--samples", help="Prompts drawn from each of the five shipped prompt sets."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per prompt."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="A fixed block size (default: auto)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target directory (with --draft). Default: the built-in pair."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="The drafter for --model."),
+    out: Path = typer.Option(Path("bench-distributed-out"), "--out", "-o", help="Report directory."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="Seconds the ranks may run in all."),
+):
+    """Plain and DFlash decoding on a target split over local ranks, side by side: tok/s,
+    collectives and bytes per token, communication time, and the speed-up modelled on
+    Thunderbolt 5 and 10 GbE links."""
+    from ..eval.bench_distributed import markdown, run_distributed_bench, write_report
+
+    if mode not in ("tensor", "pipeline"):
+        raise typer.BadParameter("--mode is tensor or pipeline")
+    if ranks < 2 or samples < 1 or max_tokens < 1:
+        raise typer.BadParameter("--ranks must be >= 2, --samples and --max-tokens >= 1")
+    if model is not None and draft is None:
+        raise typer.BadParameter("--model needs --draft")
+    try:
+        report = run_distributed_bench(mode=mode, ranks=ranks, model=model, draft=draft, samples=samples,
+                                       max_tokens=max_tokens, block_size=block_size, timeout=timeout,
+                                       log=lambda s: typer.echo(s, err=True))
     except (ValueError, RuntimeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
