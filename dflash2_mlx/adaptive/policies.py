@@ -7,7 +7,7 @@ The choice depends only on the past, so every cycle stays lossless whatever it p
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Protocol
+from typing import Callable, List, Optional, Protocol, runtime_checkable
 
 from .acceptance import (PRIOR_WEIGHT, SAMPLED_PRIOR_WEIGHT, SEED_WEIGHT, Acceptance, load_history,
                          pair_key, save_history, expected_tokens)
@@ -30,8 +30,10 @@ class Choice:
     fallback: bool = False
 
 
+@runtime_checkable
 class Policy(Protocol):
-    """What a decoding loop asks of a block-size policy and tells it."""
+    """What a decoding loop asks of a block-size policy and tells it (``isinstance(x, Policy)``
+    tells a policy from a block size)."""
     largest: int  # the widest block a draft may fill
     copy_largest: int  # the widest block a copy may verify
 

@@ -147,8 +147,8 @@ def speculative_generate_step(
     as mlx-lm's generate_step leaves it.  ``kv_bits``, ``kv_group_size``,
     ``quantized_kv_start``: mlx-lm's KV cache quantization (``kv_quant.py``)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
-    policy = (adaptive.policy(target, drafter, block_size, params.greedy)
-              if isinstance(block_size, (int, str)) else block_size)
+    policy = (block_size if isinstance(block_size, adaptive.Policy)
+              else adaptive.policy(target, drafter, block_size, params.greedy))
     context = DraftContext(drafter, draft_window, draft_sink) if context is None else context
     seq = Sequence(target, drafter, cache, context, params, logits_processors,
                    KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
