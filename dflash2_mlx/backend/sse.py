@@ -34,10 +34,11 @@ def sse_response(events, engine, rid) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def framed_response(frames, engine, rid, error_frame) -> StreamingResponse:
+def framed_response(frames, engine, rid, error_frame, media_type: str = "text/event-stream") -> StreamingResponse:
     """A stream in an API's own event framing: ``frames`` yields each event's text; an error
     mid-stream is sent as ``error_frame(e: APIError)`` and ends it. The request is aborted at
-    the end (a no-op once finished; it stops the generation on a disconnect)."""
+    the end (a no-op once finished; it stops the generation on a disconnect). ``media_type``:
+    the stream's (Ollama's is NDJSON)."""
     async def body():
         try:
             async for text in frames:
@@ -52,7 +53,7 @@ def framed_response(frames, engine, rid, error_frame) -> StreamingResponse:
         finally:
             engine.abort(rid)
 
-    return StreamingResponse(body(), media_type="text/event-stream",
+    return StreamingResponse(body(), media_type=media_type,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
