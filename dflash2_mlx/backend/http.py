@@ -79,9 +79,10 @@ def unknown_model(model_id: str) -> APIError:
     return APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
 
 
-async def read_json(request: Request) -> dict:
-    """The request's body as a JSON object, bounded in size and checked for valid Unicode."""
-    if not json_content_type(request):
+async def read_json(request: Request, any_content_type: bool = False) -> dict:
+    """The request's body as a JSON object, bounded in size and checked for valid Unicode
+    (``any_content_type``: read as JSON whatever its Content-Type says, as Ollama does)."""
+    if not any_content_type and not json_content_type(request):
         raise APIError(415, "the request body must be JSON: send it with Content-Type: application/json",
                        code="unsupported_media_type")
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
