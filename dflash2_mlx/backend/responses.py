@@ -1,5 +1,172 @@
-"""(responses adapter: being written.)"""
+"""OpenAI's Responses API: ``POST /v1/responses`` (one JSON body, or server-sent events
+``event: TYPE`` / ``data: {...}`` with sequence numbers), ``GET`` and ``DELETE
+/v1/responses/{id}``.
+
+A request's input items become chat-template messages and its function tools OpenAI's
+chat tools (``responses_wire.py``); the engine serves them as it serves a chat, and the
+reply's chunks become output items. Responses are kept (unless ``store`` is false) in a
+bounded store in memory, the oldest dropped first, so that ``previous_response_id`` can
+continue a conversation: the earlier input and output items go before the new input.
+Errors use OpenAI's body, the server's default shape.
+"""
+
+import collections
+import json
+import logging
+import time
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .http import engine_for, mapped_errors, parse, until_disconnect
+from .protocol import APIError
+from .responses_wire import OutputBuilder, ResponsesRequest, new_item_id, response_body, template_messages
+from .wire import EngineError
+
+log = logging.getLogger("dflash2_mlx.server")
+MAX_STORED = 256  # responses kept for previous_response_id and GET, per server
+
+
+class ResponseStore:
+    """The latest responses (their bodies and conversation items), the least recently used
+    dropped first."""
+
+    def __init__(self, max_entries: int = MAX_STORED):
+        self.max_entries = max_entries
+        self.entries = collections.OrderedDict()
+
+    def put(self, response: dict, items: list):
+        self.entries[response["id"]] = (response, items)
+        self.entries.move_to_end(response["id"])
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+
+    def get(self, rid: str) -> Optional[tuple]:
+        entry = self.entries.get(rid)
+        if entry is not None:
+            self.entries.move_to_end(rid)
+        return entry
+
+    def delete(self, rid: str) -> bool:
+        return self.entries.pop(rid, None) is not None
+
+
+def not_found(rid: str, param: Optional[str] = None) -> APIError:
+    return APIError(404, f"No response found with id '{rid}' (responses are kept in this server's memory, "
+                    f"the latest {MAX_STORED}; one made with store=false is not kept)",
+                    param=param, code="not_found")
+
+
+def earlier_items(store: ResponseStore, body: ResponsesRequest) -> list:
+    """The conversation items of the response ``previous_response_id`` names."""
+    if body.previous_response_id is None:
+        return []
+    entry = store.get(body.previous_response_id)
+    if entry is None:
+        e = not_found(body.previous_response_id, "previous_response_id")
+        raise APIError(400, e.message, param="previous_response_id", code="previous_response_not_found")
+    return entry[1]
+
+
+def status_of(last) -> str:
+    return "incomplete" if last is not None and last.finish_reason == "length" else "completed"
 
 
 def add_routes(app, pool):
     """Register this API's routes on app."""
+    store = app.state.responses = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create(request: Request):
+        body = await parse(request, ResponsesRequest)
+        items = earlier_items(store, body) + body.input_items()
+        engine = await engine_for(pool, body)
+        rid = new_item_id("resp")
+        tools = body.engine_tools()
+        with mapped_errors(prompt_param="input"):
+            ids = await engine.off_loop(engine.encode_chat, template_messages(items, body.instructions), tools)
+            chunks = engine.stream_ids(ids, tools, chat=True, request_id=rid, **body.options())
+            reply = Reply(rid, body, store, items)
+            if body.stream:
+                return event_stream(reply.events(chunks), engine, rid)
+            return await until_disconnect(request, reply.whole(chunks), engine, rid)
+
+    @app.get("/v1/responses/{rid}")
+    async def retrieve(rid: str):
+        entry = store.get(rid)
+        if entry is None:
+            raise not_found(rid)
+        return entry[0]
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete(rid: str):
+        if not store.delete(rid):
+            raise not_found(rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
+
+class Reply:
+    """One request's reply: its chunks into output items, as one body or as events, and the
+    response kept for a later ``previous_response_id``."""
+
+    def __init__(self, rid: str, body: ResponsesRequest, store: ResponseStore, items: list):
+        self.rid, self.body, self.store, self.items = rid, body, store, items
+        self.created = int(time.time())
+        self.output = OutputBuilder(body.parallel_tool_calls, body.logprobs)
+
+    def done(self, last) -> dict:
+        response = response_body(self.rid, self.body, self.created, self.output.items, status_of(last), last)
+        if self.body.store:
+            self.store.put(response, self.items + self.output.items)
+        return response
+
+    async def whole(self, chunks) -> dict:
+        last = None
+        async for last in chunks:
+            self.output.add(last)
+        self.output.finish(status_of(last))
+        return self.done(last)
+
+    async def events(self, chunks):
+        """The stream's events (type, fields); a failure on the way is a response.failed."""
+        start = response_body(self.rid, self.body, self.created, [], "in_progress")
+        yield "response.created", {"response": start}
+        yield "response.in_progress", {"response": start}
+        last = None
+        try:
+            async for last in chunks:
+                for event in self.output.add(last):
+                    yield event
+        except (APIError, EngineError, ValueError) as e:
+            yield self.failed(str(e))
+            return
+        except Exception as e:
+            log.exception("stream failed")
+            yield self.failed(f"internal error: {e}")
+            return
+        for event in self.output.finish(status_of(last)):
+            yield event
+        response = self.done(last)
+        yield f"response.{response['status']}", {"response": response}
+
+    def failed(self, message: str) -> tuple:
+        error = {"code": "server_error", "message": message}
+        return "response.failed", {"response": response_body(self.rid, self.body, self.created, self.output.items,
+                                                             "failed", error=error)}
+
+
+def event_stream(events, engine, rid) -> StreamingResponse:
+    """Server-sent events ``event: TYPE`` / ``data: {..., "type", "sequence_number"}``; the
+    generation stops when the client goes away."""
+    async def body():
+        try:
+            number = 0
+            async for kind, fields in events:
+                yield f"event: {kind}\ndata: {json.dumps({'type': kind, **fields, 'sequence_number': number})}\n\n"
+                number += 1
+        finally:
+            engine.abort(rid)  # no-op once finished
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
