@@ -40,7 +40,7 @@ class BatchGenerator:
         self.target = attach(model, drafter)
         self.drafter = drafter
         self.batch = TargetBatch(batch_layers(self.target))
-        if isinstance(block_size, adaptive.Policy):
+        if hasattr(block_size, "record"):  # a batch policy (``batch.policy``), not a size
             self.policy = block_size
         else:
             block_size = check_block_size(drafter, block_size)
