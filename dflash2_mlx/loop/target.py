@@ -8,6 +8,11 @@ they are restored from a snapshot taken before verification and the accepted
 tokens are replayed through the target.  So are sliding-window caches once a verify pass
 reaches their window (it drops the oldest rows a trim would have to bring back).
 A pass over a few rows on the CPU splits its products over two streams (``cpu_split``).
+
+A target split into a pipeline (``distributed/pipeline.py``: ``model.dflash_stage``) holds
+only some layers on each rank: each rank taps the layers it holds and its features are the
+drafter's ``fc`` rows summed over the ranks (H wide, the drafter skips its ``fc``); whether a
+rollback replays is decided for the whole target, so every rank runs a replay together.
 """
 
 from typing import Callable, List, Sequence
@@ -64,7 +69,8 @@ class Target:
                 "DFlash needs an mlx-lm decoder with `layers` and `model.embed_tokens`"
             )
         self.layers = model.layers
-        depth = len(self.layers)
+        self.stage = getattr(model, "dflash_stage", None)  # a pipeline stage: this rank's layers
+        depth = len(self.layers) if self.stage is None else self.stage.depth
         bad = [i for i in layer_ids if not 0 <= i < depth]
         if bad:
             raise UnsupportedTargetError(
@@ -81,12 +87,25 @@ class Target:
         # Gemma scales its input embedding by sqrt(H); the drafter must see the same.
         self.embed_scale = self.hidden_size**0.5 if self.model_type.startswith("gemma") else 1.0
         self._taps: List = [None] * len(self.layer_ids)
-        for slot, i in enumerate(self.layer_ids):
-            layer = self.layers[i]
-            if not type(layer).__name__.startswith("Tapped"):
-                layer.__class__ = _capturing(type(layer))
-            object.__setattr__(layer, "_dflash_tap", (self._taps, slot))
+        first = 0 if self.stage is None else self.stage.start
+        self._slots = [s for s, i in enumerate(self.layer_ids) if self.stage is None or self.stage.holds(i)]
+        for slot in self._slots:
+            tap(self.layers[self.layer_ids[slot] - first], (self._taps, slot))
+        if self.stage is not None:
+            # The final (gathered) hidden state, after which a pass's features are summed.
+            self._final, self._norm, self._cols = [None], inner.norm, False
+            tap(self._norm, (self._final, 0))
         cpu_split.install(model)
+
+    def project(self, drafter):
+        """Pipeline: this rank's columns of the drafter's ``fc``; features come out through
+        them, summed over the ranks, and the drafter takes them as its ``fc`` rows."""
+        self._cols = self.stage.fc_columns(drafter.fc, self._slots, self.hidden_size)
+        self._dtype = drafter.activation_dtype
+        drafter.features_projected = True
+
+    def needs_replay(self, cache) -> bool:
+        return needs_replay(cache) if self.stage is None else self.stage.needs_replay(cache)
 
     def embed(self, ids):
         return self.embed_tokens(ids) * self.embed_scale
@@ -128,7 +147,10 @@ class Target:
                     f"use a cache without max_kv_size, or verify_mode='off'")
 
     def __call__(self, ids: mx.array, cache):
-        """Logits [1, L, V] and tapped features [1, L, n * H] for ``ids`` [1, L]."""
+        """Logits [1, L, V] and tapped features [1, L, n * H] for ``ids`` [1, L] (pipeline:
+        the drafter's ``fc`` rows [1, L, H])."""
+        if self.stage is not None:
+            return self.staged_call(ids, cache)
         for slot, i in enumerate(self.layer_ids):
             object.__setattr__(self.layers[i], "_dflash_tap", (self._taps, slot))
         with cpu_split.rows(ids.size) as split:
@@ -139,11 +161,38 @@ class Target:
         self._taps[:] = [None] * len(self._taps)
         return logits, features
 
+    def staged_call(self, ids: mx.array, cache):
+        if self._cols is False:
+            raise ValueError("a target split into a pipeline gives the drafter's fc rows as its features: "
+                             "build it with attach(model, drafter)")
+        for slot in self._slots:
+            object.__setattr__(self.layers[self.layer_ids[slot] - self.stage.start], "_dflash_tap",
+                               (self._taps, slot))
+        object.__setattr__(self._norm, "_dflash_tap", (self._final, 0))
+        with cpu_split.rows(ids.size) as split:
+            logits = self.model(ids, cache=cache)
+            features = self.stage.context_rows([self._taps[s] for s in self._slots], self._cols,
+                                               self._final[0], self._dtype)
+            # Every collective of the pass, now and in one order on every rank.
+            mx.eval([logits, features] if split else features)
+        self._taps[:] = [None] * len(self._taps)
+        self._final[0] = None
+        return logits, features
+
+
+def tap(layer, slot: tuple):
+    """Record ``layer``'s output in ``slot`` (store, index) whenever it runs."""
+    if not type(layer).__name__.startswith("Tapped"):
+        layer.__class__ = _capturing(type(layer))
+    object.__setattr__(layer, "_dflash_tap", slot)
+
 
 def attach(model, drafter) -> Target:
     """The target adapter that taps the drafter's layers, with the drafter bound to the
     target's embedding and LM head."""
     target = Target(model, drafter.config.target_layer_ids)
+    if target.stage is not None:
+        target.project(drafter)
     vocab = drafter.vocab
     drafter.bind(target.embed, target.lm_head if vocab is None else target.head_rows(vocab))
     return target
@@ -173,7 +222,7 @@ def rollback(target: Target, cache, saved: list, fed: int, kept: mx.array):
     n = kept.shape[1]
     if n == fed:
         return
-    if not needs_replay(cache):
+    if not target.needs_replay(cache):
         for c in cache:
             c.trim(fed - n)
         return

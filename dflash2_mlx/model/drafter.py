@@ -189,6 +189,9 @@ class Drafter(nn.Module):
             self.draft_vocab = mx.arange(cfg.draft_vocab_size, dtype=mx.int32)
             self.freeze(keys=["draft_vocab"], recurse=False)
         self.activation_dtype = mx.float32
+        # True when the target gives ``fc``'s rows rather than the tapped layers (a target split
+        # into a pipeline sums each rank's columns of ``fc`` over its own taps).
+        self.features_projected = False
         object.__setattr__(self, "_embed", None)
         object.__setattr__(self, "_head", None)
 
@@ -238,8 +241,10 @@ class Drafter(nn.Module):
         return out
 
     def context(self, features: mx.array) -> mx.array:
-        """Target features [.., n * H] (tapped layers concatenated) -> context rows."""
-        return self.hidden_norm(self.fc(features.astype(self.activation_dtype)))
+        """Target features [.., n * H] (tapped layers concatenated) -> context rows; features
+        already through ``fc`` [.., H] (``features_projected``) skip it."""
+        x = features.astype(self.activation_dtype)
+        return self.hidden_norm(x if self.features_projected else self.fc(x))
 
     def append_context(self, features: mx.array, cache: List[KVCache]):
         """Add the K/V of newly committed tokens to the draft cache."""

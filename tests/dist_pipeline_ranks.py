@@ -1,0 +1,86 @@
+"""One rank of a pipelined pair (``distributed.pipeline``), run by
+``tests/test_distributed_pipeline.py`` through ``distributed.local.launch``.
+
+Argument: a JSON object {"target": path or null (the built-in pair), "draft": path or null,
+"runs": [{"prompt", "max_tokens", "block_size", "temp", "seed", "lookup"}, ...]}.  Every rank
+prints one JSON line per run: the rank, its tokens, and the collectives the run issued
+(all_sum / all_gather shapes), then a line with the layers it holds.
+"""
+
+import json
+import sys
+from collections import defaultdict
+
+import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_flatten
+
+from dflash2_mlx.distributed import pipeline
+from dflash2_mlx.generate import stream_generate
+from dflash2_mlx.model.checkpoint import load_drafter
+
+
+class Shapes:
+    """The shapes of the arrays given to ``mx.distributed``'s all_sum and all_gather while
+    installed (the calls go on to MLX's own functions)."""
+
+    def __init__(self):
+        self.seen, self.originals = defaultdict(list), {}
+
+    def install(self):
+        for op in ("all_sum", "all_gather"):
+            fn = self.originals[op] = getattr(mx.distributed, op)
+
+            def counted(x, *a, _op=op, _fn=fn, **kw):
+                self.seen[_op].append(list(x.shape))
+                return _fn(x, *a, **kw)
+
+            setattr(mx.distributed, op, counted)
+
+    def uninstall(self):
+        for op, fn in self.originals.items():
+            setattr(mx.distributed, op, fn)
+
+
+def load_split(target, draft, group):
+    """The pair with the target split over ``group``: loaded lazily, the drafter checked
+    against the whole target, then split, then only this rank's weights evaluated."""
+    if target is None:
+        from dflash2_mlx.builtin.defaults import default_pair
+
+        target, shipped = default_pair()
+        draft = draft or shipped
+    model, tokenizer = mlx_lm.load(target, lazy=True)
+    drafter = load_drafter(draft, target=model)
+    pipeline.split(model, group)
+    mx.eval(model.parameters())
+    return model, tokenizer, drafter
+
+
+def main(cfg: dict):
+    group = mx.distributed.init(strict=True)
+    model, tokenizer, drafter = load_split(cfg.get("target"), cfg.get("draft"), group)
+    stage = pipeline.stage_of(model)
+    for run in cfg["runs"]:
+        shapes = Shapes()
+        shapes.install()
+        try:
+            tokens = [r.token for r in stream_generate(
+                model, tokenizer, run["prompt"], drafter, max_tokens=run["max_tokens"],
+                block_size=run["block_size"], temp=run.get("temp", 0.0), seed=run.get("seed"),
+                lookup=run.get("lookup", True))]
+        finally:
+            shapes.uninstall()
+        print(json.dumps({"rank": group.rank(), "tokens": tokens, **shapes.seen}), flush=True)
+    layers = sorted({int(k.split(".")[k.split(".").index("layers") + 1])
+                     for k, _ in tree_flatten(model.parameters()) if ".layers." in f".{k}"})
+    print(json.dumps({"rank": group.rank(), "start": stage.start, "stop": stage.stop,
+                      "param_layers": len(layers), "hidden": drafter.config.hidden_size}), flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main(json.loads(sys.argv[1]))
+    except Exception as e:  # a clear line for the test, and a non-zero exit (no hang)
+        print(f"rank error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
