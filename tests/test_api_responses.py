@@ -15,6 +15,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+from dflash2_mlx.backend.responses import OutputBuilder
+from dflash2_mlx.backend.wire import Chunk
 from dflash2_mlx.builtin.defaults import default_pair
 from dflash2_mlx.generate import chat_ids
 from helpers import greedy_ids, metrics, start_server, stop_server, wait_idle
@@ -121,6 +123,47 @@ def test_text_reply_is_generate_s_tokens(server, client):
     as_developer = client.responses.create(model=MODEL, max_output_tokens=16, temperature=0, input=[
         {"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}])
     assert as_developer.output_text == r.output_text
+
+
+def test_logprobs_and_stop_strings(client):
+    """include's message.output_text.logprobs with top_logprobs gives each token's entry;
+    a stop string (this server's option, as its chat route takes it) ends the text before it."""
+    kw = dict(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0)
+    r = client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2)
+    entries = r.output[0].content[0].logprobs
+    assert len(entries) == 10 and "".join(e.token for e in entries) == r.output_text
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)  # greedy
+    stop = r.output_text[6:9]
+    stopped = client.responses.create(**kw, extra_body={"stop": [stop]})
+    assert stopped.output_text == r.output_text[:r.output_text.index(stop)] and stopped.status == "completed"
+
+
+def call_of(name, city) -> dict:
+    return {"id": f"call_{city}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps({"city": city})}}
+
+
+def test_output_builder_holds_whitespace_and_keeps_one_call_unless_parallel():
+    """Whitespace before a call makes no message; with parallel_tool_calls false only the
+    first call is kept; text after a call is a message of its own; an empty reply is an
+    empty message."""
+    out = OutputBuilder(parallel_tool_calls=False)
+    assert out.add(Chunk(text="\n")) == []
+    events = out.add(Chunk(tool_calls=[call_of("get_weather", "Paris"), call_of("get_weather", "Rome")]))
+    assert [k for k, _ in events] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                      "response.function_call_arguments.done", "response.output_item.done"]
+    assert events[0][1]["item"]["arguments"] == "" and events[-1][1]["item"]["status"] == "completed"
+    more = out.add(Chunk(text=" done")) + out.finish("completed")
+    assert {f["output_index"] for _, f in more} == {1}
+    assert [i["type"] for i in out.items] == ["function_call", "message"]
+    assert out.items[0]["call_id"] == "call_Paris" and out.items[1]["content"][0]["text"] == " done"
+    both = OutputBuilder()
+    both.add(Chunk(tool_calls=[call_of("f", "a"), call_of("f", "b")]))
+    both.finish("completed")
+    assert [i["call_id"] for i in both.items] == ["call_a", "call_b"]
+    empty = OutputBuilder()
+    assert [k for k, _ in empty.finish("incomplete")][-1] == "response.output_item.done"
+    assert empty.items[0]["status"] == "incomplete" and empty.items[0]["content"][0]["text"] == ""
 
 
 def streamed(client, **kw):

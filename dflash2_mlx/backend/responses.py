@@ -4,9 +4,11 @@
 
 A request's input items become chat-template messages and its function tools OpenAI's
 chat tools (``responses_wire.py``); the engine serves them as it serves a chat, and the
-reply's chunks become output items. Responses are kept (unless ``store`` is false) in a
-bounded store in memory, the oldest dropped first, so that ``previous_response_id`` can
-continue a conversation: the earlier input and output items go before the new input.
+reply's chunks become output items (``OutputBuilder``, which also gives the stream events
+that build them: a streamed reply and a whole one are one pipeline). Responses are kept
+(unless ``store`` is false) in a bounded store in memory, the least recently used dropped
+first, so that ``previous_response_id`` can continue a conversation: the earlier input and
+output items go before the new input (its instructions do not, as with OpenAI's).
 Errors use OpenAI's body, the server's default shape.
 """
 
@@ -14,14 +16,14 @@ import collections
 import json
 import logging
 import time
-from typing import Optional
+from typing import List, Optional
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from .http import engine_for, mapped_errors, parse, until_disconnect
 from .protocol import APIError
-from .responses_wire import OutputBuilder, ResponsesRequest, new_item_id, response_body, template_messages
+from .responses_wire import ResponsesRequest, new_item_id, response_body, template_messages
 from .wire import EngineError
 
 log = logging.getLogger("dflash2_mlx.server")
@@ -50,6 +52,99 @@ class ResponseStore:
 
     def delete(self, rid: str) -> bool:
         return self.entries.pop(rid, None) is not None
+
+
+def text_part(text: str, logprobs: Optional[List[dict]]) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return part
+
+
+class OutputBuilder:
+    """A reply's output items, built from its chunks: a message with the text, a
+    function_call item per tool call (with ``parallel_tool_calls`` false, the first only).
+    ``add`` and ``finish`` return the stream events (type, fields) that build the same items,
+    in the order of OpenAI's (ResponseStreamEvent). Text that is only whitespace before
+    anything else is held back (a model often writes a newline before its tool call)."""
+
+    def __init__(self, parallel_tool_calls: bool = True, logprobs: bool = False):
+        self.parallel, self.logprobs = parallel_tool_calls, logprobs
+        self.items: List[dict] = []
+        self.message: Optional[dict] = None  # the message being written
+        self.text, self.entries = "", []
+        self.held, self.held_entries = "", []
+        self.calls = 0
+
+    def add(self, chunk) -> List[tuple]:
+        events = []
+        if chunk.text or chunk.logprobs:
+            events += self._text(chunk.text, chunk.logprobs if self.logprobs else [])
+        for call in chunk.tool_calls:
+            if self.parallel or not self.calls:
+                events += self._call(call)
+        return events
+
+    def _text(self, text: str, entries: List[dict]) -> List[tuple]:
+        if self.message is None and not (self.held + text).strip():
+            self.held, self.held_entries = self.held + text, self.held_entries + entries
+            return []
+        events = self._open() if self.message is None else []
+        text, entries = self.held + text, self.held_entries + entries
+        self.held, self.held_entries = "", []
+        self.text += text
+        self.entries += entries
+        return events + [("response.output_text.delta", {**self._where(), "content_index": 0, "delta": text,
+                                                         "logprobs": entries})]
+
+    def _where(self) -> dict:
+        return {"item_id": self.message["id"], "output_index": len(self.items)}
+
+    def _open(self) -> List[tuple]:
+        self.message = {"type": "message", "id": new_item_id("msg"), "role": "assistant",
+                        "status": "in_progress", "content": []}
+        self.text, self.entries = "", []
+        part = text_part("", [] if self.logprobs else None)
+        return [("response.output_item.added", {"output_index": len(self.items), "item": self.message}),
+                ("response.content_part.added", {**self._where(), "content_index": 0, "part": part})]
+
+    def _close(self, status: str) -> List[tuple]:
+        if self.message is None:
+            return []
+        part = text_part(self.text, self.entries if self.logprobs else None)
+        where = self._where()
+        item = {**self.message, "status": status, "content": [part]}
+        self.items.append(item)
+        self.message = None
+        return [("response.output_text.done", {**where, "content_index": 0, "text": part["text"],
+                                               "logprobs": self.entries}),
+                ("response.content_part.done", {**where, "content_index": 0, "part": part}),
+                ("response.output_item.done", {"output_index": where["output_index"], "item": item})]
+
+    def _call(self, call: dict) -> List[tuple]:
+        events = self._close("completed")
+        self.held, self.held_entries = "", []
+        self.calls += 1
+        function = call["function"]
+        item = {"type": "function_call", "id": new_item_id("fc"), "call_id": call["id"],
+                "name": function["name"], "arguments": "", "status": "in_progress"}
+        where = {"item_id": item["id"], "output_index": len(self.items)}
+        done = {**item, "arguments": function["arguments"], "status": "completed"}
+        self.items.append(done)
+        return events + [("response.output_item.added", {"output_index": where["output_index"], "item": item}),
+                         ("response.function_call_arguments.delta", {**where, "delta": function["arguments"]}),
+                         ("response.function_call_arguments.done", {**where, "arguments": function["arguments"]}),
+                         ("response.output_item.done", {"output_index": where["output_index"], "item": done})]
+
+    def finish(self, status: str) -> List[tuple]:
+        """Close the reply (``status``: "completed" or "incomplete"); a reply with nothing in
+        it is one empty message."""
+        events = []
+        if not self.items and self.message is None:
+            events = self._open()
+            if self.held:  # the whitespace held back is all the text there is
+                events += self._text("", [])
+        return events + self._close(status)
 
 
 def not_found(rid: str, param: Optional[str] = None) -> APIError:

@@ -1,7 +1,6 @@
 """OpenAI's Responses wire format: the request body (``ResponsesRequest``), its input items
-as the chat-template messages the engine takes, and the output items a reply builds
-(``OutputBuilder``, which also names the stream events that build them), in the shapes of
-the ``openai`` SDK's ``Response`` and ``ResponseStreamEvent`` types."""
+as the chat-template messages the engine takes, and the response object, in the shapes of
+the ``openai`` SDK's ``Response`` types."""
 
 import time
 import uuid
@@ -267,99 +266,6 @@ def template_messages(items: List[dict], instructions: Optional[str] = None) -> 
             role = "system" if item["role"] == "developer" else item["role"]
             out.append({"role": role, "content": parts_text(item["content"], "a message")})
     return out
-
-
-def text_part(text: str, logprobs: Optional[List[dict]]) -> dict:
-    part = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
-    return part
-
-
-class OutputBuilder:
-    """A reply's output items, built from its chunks: a message with the text, a
-    function_call item per tool call (with ``parallel_tool_calls`` false, the first only).
-    ``add`` and ``finish`` return the stream events (type, fields) that build the same items,
-    so a streamed reply and a whole one are one pipeline. Text that is only whitespace before
-    anything else is held back (a model often writes a newline before its tool call)."""
-
-    def __init__(self, parallel_tool_calls: bool = True, logprobs: bool = False):
-        self.parallel, self.logprobs = parallel_tool_calls, logprobs
-        self.items: List[dict] = []
-        self.message: Optional[dict] = None  # the message being written
-        self.text, self.entries = "", []
-        self.held, self.held_entries = "", []
-        self.calls = 0
-
-    def add(self, chunk) -> List[tuple]:
-        events = []
-        if chunk.text or chunk.logprobs:
-            events += self._text(chunk.text, chunk.logprobs if self.logprobs else [])
-        for call in chunk.tool_calls:
-            if self.parallel or not self.calls:
-                events += self._call(call)
-        return events
-
-    def _text(self, text: str, entries: List[dict]) -> List[tuple]:
-        if self.message is None and not (self.held + text).strip():
-            self.held, self.held_entries = self.held + text, self.held_entries + entries
-            return []
-        events = self._open() if self.message is None else []
-        text, entries = self.held + text, self.held_entries + entries
-        self.held, self.held_entries = "", []
-        self.text += text
-        self.entries += entries
-        return events + [("response.output_text.delta", {**self._where(), "content_index": 0, "delta": text,
-                                                         "logprobs": entries})]
-
-    def _where(self) -> dict:
-        return {"item_id": self.message["id"], "output_index": len(self.items)}
-
-    def _open(self) -> List[tuple]:
-        self.message = {"type": "message", "id": new_item_id("msg"), "role": "assistant",
-                        "status": "in_progress", "content": []}
-        self.text, self.entries = "", []
-        part = text_part("", [] if self.logprobs else None)
-        return [("response.output_item.added", {"output_index": len(self.items), "item": self.message}),
-                ("response.content_part.added", {**self._where(), "content_index": 0, "part": part})]
-
-    def _close(self, status: str) -> List[tuple]:
-        if self.message is None:
-            return []
-        part = text_part(self.text, self.entries if self.logprobs else None)
-        where = self._where()
-        item = {**self.message, "status": status, "content": [part]}
-        self.items.append(item)
-        self.message = None
-        return [("response.output_text.done", {**where, "content_index": 0, "text": part["text"],
-                                               "logprobs": self.entries}),
-                ("response.content_part.done", {**where, "content_index": 0, "part": part}),
-                ("response.output_item.done", {"output_index": where["output_index"], "item": item})]
-
-    def _call(self, call: dict) -> List[tuple]:
-        events = self._close("completed")
-        self.held, self.held_entries = "", []
-        self.calls += 1
-        function = call["function"]
-        item = {"type": "function_call", "id": new_item_id("fc"), "call_id": call["id"],
-                "name": function["name"], "arguments": "", "status": "in_progress"}
-        where = {"item_id": item["id"], "output_index": len(self.items)}
-        done = {**item, "arguments": function["arguments"], "status": "completed"}
-        self.items.append(done)
-        return events + [("response.output_item.added", {"output_index": where["output_index"], "item": item}),
-                         ("response.function_call_arguments.delta", {**where, "delta": function["arguments"]}),
-                         ("response.function_call_arguments.done", {**where, "arguments": function["arguments"]}),
-                         ("response.output_item.done", {"output_index": where["output_index"], "item": done})]
-
-    def finish(self, status: str) -> List[tuple]:
-        """Close the reply (``status``: "completed" or "incomplete"); a reply with nothing in
-        it is one empty message."""
-        events = []
-        if not self.items and self.message is None:
-            events = self._open()
-            if self.held:  # the whitespace held back is all the text there is
-                events += self._text("", [])
-        return events + self._close(status)
 
 
 def usage(c) -> dict:
