@@ -51,7 +51,11 @@ def train(
     val_every: int = typer.Option(50, "--val-every", help="Steps between held-out evaluations."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from the latest checkpoint under --out."),
 ):
-    """Train a DFlash / DFlash 2 drafter for a target (data regeneration, training, checkpoints)."""
+    """Train a DFlash / DFlash 2 drafter for a target (data regeneration, training, checkpoints).
+
+    Under `mlx.launch -n N -- dflash2-mlx train ...` the ranks train data-parallel: each
+    takes batch-size / N sequences of every micro-batch; rank 0 logs and writes the run."""
+    import mlx.core as mx
     import mlx_lm
 
     from ..builtin.smollm2 import default_target_path
@@ -75,6 +79,7 @@ def train(
                       save_every=save_every, keep=keep, log_every=log_every,
                       feature_cache_gb=feature_cache_gb, val_records=val_records,
                       val_every=val_every)
+    group = mx.distributed.init()
     try:
         final = train_drafter(
             model, out, data, prompts=prompts, init=init, version=version, num_layers=layers,
@@ -82,8 +87,14 @@ def train(
             mask_token_id=mask_token_id, selector_rank=selector_rank,
             selector_top_k=selector_top_k, intermediate_size=intermediate_size,
             gen_max_tokens=gen_max_tokens, gen_temp=gen_temp, gen_batch_size=gen_batch_size,
-            prompt_limit=prompt_limit, config=cfg, resume=resume, log=typer.echo)
+            prompt_limit=prompt_limit, config=cfg, resume=resume, log=typer.echo, group=group)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    typer.echo(f"drafter: {final}")
+    except RuntimeError as e:
+        if group.size() == 1:
+            raise
+        typer.echo(f"error: {e}", err=True)  # a lost peer: end this rank too, non-zero
+        raise typer.Exit(1)
+    if group.rank() == 0:
+        typer.echo(f"drafter: {final}")

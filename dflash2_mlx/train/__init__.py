@@ -49,17 +49,25 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
                   draft_vocab: int = 0,
                   gen_max_tokens: int = 256, gen_temp: float = 0.0, gen_batch_size: int = 8,
                   prompt_limit: Optional[int] = None, config: TrainConfig = TrainConfig(),
-                  resume: bool = True, log: Optional[Callable[[str], None]] = print):
+                  resume: bool = True, log: Optional[Callable[[str], None]] = print, group=None):
     """Regenerate data (when ``prompts`` is given), build or load the drafter, train.
 
     ``draft_vocab`` > 0: a new drafter drafts over the tokens most frequent in
     the data (see ``Drafter.draft_vocab``).
     ``init``: a drafter checkpoint to start from (a v1 checkpoint with ``version=2`` is
     warm-started as DFlash 2); without it a new drafter is sized from the target.  An
-    existing checkpoint under ``out_dir`` is resumed.  Returns ``out_dir / "final"``."""
+    existing checkpoint under ``out_dir`` is resumed.  ``group``: train data-parallel over
+    these ``mx.distributed`` ranks (each loads the target; rank 0 alone logs and writes).
+    Returns ``out_dir / "final"``."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    say = log or (lambda s: None)
+    main = group is None or group.rank() == 0
+    distributed = group is not None and group.size() > 1
+    if distributed and prompts is not None:
+        raise ValueError("regenerate the dataset in one process first (dflash2-mlx train "
+                         "--data-only --prompts ...), then train with several ranks")
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    say = (log if main else None) or (lambda s: None)
     model, tokenizer = mlx_lm.load(str(resolve(target)))
     if prompts is not None:
         n = data_mod.generate_dataset(model, tokenizer, prompts, data, max_tokens=gen_max_tokens,
@@ -91,7 +99,7 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
         drafter = new_drafter(cfg, config.seed, draft_vocab=vocab)
     if drafter is not None:
         validate_pair(model, drafter)
-    log_file = open(out_dir / "log.jsonl", "a")
+    log_file = open(out_dir / "log.jsonl", "a") if main else None
 
     def on_step(entry):
         log_file.write(json.dumps(entry) + "\n")
@@ -100,10 +108,13 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
 
     try:
         trainer.train(model, drafter, records, out_dir, config, resume=resume, log=on_step,
-                      target_name=str(resolve(target)))
+                      target_name=str(resolve(target)), group=group)
     finally:
-        log_file.close()
+        if log_file is not None:
+            log_file.close()
     final = out_dir / "final"
+    if not main:
+        return final
     state = json.loads((final / trainer.STATE_DIR / "state.json").read_text())
     plot_history(state["state"]["history"], out_dir / "loss.png")
     return final

@@ -278,10 +278,18 @@ def distill_kl(teacher: mx.array, logits: mx.array) -> mx.array:
     return (mx.exp(lt) * (lt - ls)).sum(axis=-1)
 
 
-def loss(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_weight: float = 0.0):
-    """(total loss, metrics) of a batch of blocks.  With ``blocks.teacher``, the drafter's
-    rows also learn the target's whole next-token distribution (KL, ``distill_weight``):
-    far more signal per row than the one token of the label."""
+def part_names(version: int, distill: bool) -> List[str]:
+    """The metrics ``loss_parts`` returns, in order."""
+    return (["ce", "top1", "top1_pos1"] + (["kl"] if distill else [])
+            + (["selector_ce", "in_topk"] if version == 2 else []))
+
+
+def loss_parts(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_weight: float = 0.0):
+    """({metric: (sum, count)}, {metric: weight in the total loss}) of a batch of blocks:
+    every metric is a sum over rows divided by a count (or a weight sum), kept apart so
+    that ranks holding parts of one batch can add them up before dividing.  With
+    ``blocks.teacher``, the drafter's rows also learn the target's whole next-token
+    distribution (KL, ``distill_weight``): far more signal per row than the label's token."""
     B = blocks.block_ids.shape[1]
     hidden = block_forward(drafter, blocks)[:, 1:]
     logits = drafter.logits(hidden)
@@ -289,25 +297,56 @@ def loss(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_weight: 
     # it weighs nothing in the CE and is never right.
     column = vocab_columns(drafter, blocks.labels)
     w = position_weights(B)[None, :] * blocks.valid * (column >= 0)
-    wsum = mx.maximum(w.sum(), 1e-9)
-    ce = (_ce(logits, mx.maximum(column, 0)) * w).sum() / wsum
     right = (mx.argmax(logits, axis=-1) == column) * blocks.valid
-    metrics = {"ce": ce, "top1": right.sum() / mx.maximum(blocks.valid.sum(), 1.0),
-               "top1_pos1": right[:, 0].sum() / mx.maximum(blocks.valid[:, 0].sum(), 1.0)}
-    total = ce
+    parts = {"ce": ((_ce(logits, mx.maximum(column, 0)) * w).sum(), w.sum()),
+             "top1": (right.sum(), blocks.valid.sum()),
+             "top1_pos1": (right[:, 0].sum(), blocks.valid[:, 0].sum())}
+    weights = {"ce": 1.0}
     if blocks.teacher is not None and distill_weight:
         wk = position_weights(B)[None, :] * blocks.valid  # every label, in the vocabulary or not
-        kl = (distill_kl(blocks.teacher, logits) * wk).sum() / mx.maximum(wk.sum(), 1e-9)
-        metrics["kl"] = kl
-        total = total + distill_weight * kl
+        parts["kl"] = ((distill_kl(blocks.teacher, logits) * wk).sum(), wk.sum())
+        weights["kl"] = distill_weight
     if drafter.version == 2:
         cand, rows = selector_rows(drafter, logits, hidden, blocks.labels, blocks.block_ids[:, 0])
         hit = cand == blocks.labels[..., None]
         inside = hit.any(axis=-1) * w
         idx = mx.argmax(hit, axis=-1)
-        sel = (_ce(rows, idx) * inside).sum() / mx.maximum(inside.sum(), 1e-9)
-        metrics["selector_ce"] = sel
-        metrics["in_topk"] = (hit.any(axis=-1) * blocks.valid).sum() / mx.maximum(blocks.valid.sum(), 1.0)
-        total = total + selector_weight * sel
-    metrics["loss"] = total
+        parts["selector_ce"] = ((_ce(rows, idx) * inside).sum(), inside.sum())
+        parts["in_topk"] = ((hit.any(axis=-1) * blocks.valid).sum(), blocks.valid.sum())
+        weights["selector_ce"] = selector_weight
+    return parts, weights
+
+
+def combine(parts, weights, reduce=None, scale: float = 1.0):
+    """(total loss, metrics) from ``loss_parts``.  ``reduce`` (an all_sum over ranks) adds
+    up every rank's sums and counts first: the metrics are then the whole batch's, and the
+    loss returned is this rank's sums over the batch's counts, times ``scale`` (so that
+    the ranks' gradients average to the whole batch's).  A count of zero has a sum of
+    zero: that metric is 0."""
+    names = list(parts)
+    sums = mx.stack([parts[k][0] for k in names])
+    counts = mx.stack([parts[k][1] for k in names])
+    if reduce is None:
+        every_sums, every_counts = sums, counts
+    else:
+        both = mx.stop_gradient(reduce(mx.concatenate([mx.stop_gradient(sums), counts])))
+        every_sums, every_counts = both[: len(names)], both[len(names):]
+    every_counts = mx.maximum(every_counts, 1e-9)
+    metrics = {k: every_sums[i] / every_counts[i] for i, k in enumerate(names)}
+    total = None
+    for k, wt in weights.items():
+        i = names.index(k)
+        term = sums[i] / every_counts[i]
+        term = term if wt == 1.0 else wt * term
+        total = term if total is None else total + term
+    if reduce is not None:
+        metrics["loss"] = sum(wt * metrics[k] for k, wt in weights.items())
+        total = total * scale
+    else:
+        metrics["loss"] = total
     return total, metrics
+
+
+def loss(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_weight: float = 0.0):
+    """(total loss, metrics) of a batch of blocks (one process: ``loss_parts`` divided)."""
+    return combine(*loss_parts(drafter, blocks, selector_weight, distill_weight))

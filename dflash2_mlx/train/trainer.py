@@ -28,6 +28,7 @@ from ..loop.target import Target, attach, text_model
 from . import objective
 from .data import sequences
 from .features import FeatureCache, batch_features
+from .ranks import Ranks, agree, check_config, data_digest, digest, params_digest, ranks_of
 
 STATE_DIR = "training_state"
 
@@ -105,21 +106,49 @@ class DataStream:
         return out
 
 
-def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig, cache=None):
-    tokens = [ids for _, ids, _ in seqs]
-    feats = batch_features(target, tokens, [k for k, _, _ in seqs], cache)
-    seq, anchors = objective.sample_anchors(rng, [st for _, _, st in seqs], [len(t) for t in tokens],
-                                            cfg.max_anchors)
-    c = drafter.config
+@dataclass
+class Draws:
+    """The random draws of one micro-batch: block anchors (sequence, position) and served
+    block sizes (None: the trained size)."""
+    seq: np.ndarray
+    anchors: np.ndarray
+    lengths: Optional[np.ndarray] = None
+
+
+def draw(rng, seqs, cfg: TrainConfig, block_size: int) -> Draws:
+    seq, anchors = objective.sample_anchors(rng, [st for _, _, st in seqs],
+                                            [len(ids) for _, ids, _ in seqs], cfg.max_anchors)
     lengths = None
     if cfg.min_block_size:
-        lengths = rng.integers(min(cfg.min_block_size, c.block_size), c.block_size + 1, size=len(anchors))
+        lengths = rng.integers(min(cfg.min_block_size, block_size), block_size + 1, size=len(anchors))
+    return Draws(seq, anchors, lengths)
+
+
+def build_blocks(target: Target, drafter: Drafter, seqs, draws: Draws, cfg: TrainConfig,
+                 cache=None, share=None):
+    """The blocks of ``draws``; with ``share`` (lo, hi) only those of sequences lo..hi-1
+    (a rank's part of the micro-batch), whose features alone are computed."""
+    seq, anchors, lengths = draws.seq, draws.anchors, draws.lengths
+    if share is not None:
+        lo, hi = share
+        keep = (seq >= lo) & (seq < hi)
+        seq, anchors = seq[keep] - lo, anchors[keep]
+        lengths = None if lengths is None else lengths[keep]
+        seqs = seqs[lo:hi]
+    tokens = [ids for _, ids, _ in seqs]
+    feats = batch_features(target, tokens, [k for k, _, _ in seqs], cache)
+    c = drafter.config
     blocks = objective.make_blocks(tokens, feats, seq, anchors, c.block_size, c.mask_token_id, lengths)
     if cfg.distill:
         if c.target_layer_ids[-1] != len(target.layers) - 1:
             raise ValueError("distillation reads the target's last layer: make it the drafter's last tap")
         blocks.teacher = objective.teacher_logits(drafter, text_model(target.model).model.norm, blocks)
     return blocks
+
+
+def micro_batch(target: Target, drafter: Drafter, seqs, rng, cfg: TrainConfig, cache=None):
+    return build_blocks(target, drafter, seqs, draw(rng, seqs, cfg, drafter.config.block_size),
+                        cfg, cache)
 
 
 def validate(target: Target, drafter: Drafter, seqs, cfg: TrainConfig) -> dict:
@@ -188,29 +217,26 @@ def _prune(out_dir: Path, keep: int):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir,
-          cfg: TrainConfig, resume: bool = True, log: Optional[Callable[[dict], None]] = None,
-          target_name: str = ""):
-    """Train ``drafter`` against ``target_model`` on dataset ``records``.
-
-    With ``resume`` and a checkpoint under ``out_dir``, continue from it (``drafter`` may
-    then be None).  ``target_name`` identifies the target in the feature cache's meta.
-    Returns the trained drafter; its history is in ``OUT/final``."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def start(drafter: Optional[Drafter], out_dir: Path, cfg: TrainConfig, resume: bool, ranks: Ranks):
+    """(drafter, optimizer, state, rng): the latest checkpoint under ``out_dir`` continued,
+    or ``drafter`` new.  Every rank resumes from the same step (or none does)."""
     last = latest_checkpoint(out_dir) if resume else None
+    step = -1 if last is None else json.loads((last / STATE_DIR / "state.json").read_text())["state"]["step"]
+    agree(ranks, {"the checkpoint step to resume from (-1: none; the run directory must be "
+                  "shared by, or copied to, every rank)": [step]})
     if last is not None:
         drafter, optimizer, state = load_checkpoint(last, cfg)
         rng = np.random.default_rng()
         rng.bit_generator.state = state.rng
-    else:
-        if drafter is None:
-            raise ValueError(f"no checkpoint under {out_dir} to resume and no drafter given")
-        drafter.train()
-        optimizer = make_optimizer(cfg)
-        state = TrainState()
-        rng = np.random.default_rng(cfg.seed)
-    target = attach(target_model, drafter)
+        return drafter, optimizer, state, rng
+    if drafter is None:
+        raise ValueError(f"no checkpoint under {out_dir} to resume and no drafter given")
+    drafter.train()
+    return drafter, make_optimizer(cfg), TrainState(), np.random.default_rng(cfg.seed)
+
+
+def split_records(records, cfg: TrainConfig, state: TrainState):
+    """(training stream, held-out sequences)."""
     held = []
     if cfg.val_records > 0:
         if cfg.val_records >= len(records):
@@ -224,30 +250,98 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
     held_out = DataStream(held, cfg, TrainState(), {tuple(ids) for _, ids, _ in data.seqs}).seqs
     if held and not held_out:
         raise ValueError(f"the last {cfg.val_records} records repeat training ones: nothing held out")
-    cache = None
-    if cfg.feature_cache_gb > 0:
-        meta = {"target": target_name, "layers": drafter.config.target_layer_ids, "max_len": cfg.max_len}
-        cache = FeatureCache(out_dir / "features", int(cfg.feature_cache_gb * 2**30), meta)
-    step_fn = nn.value_and_grad(drafter, lambda b: objective.loss(drafter, b, cfg.selector_weight,
-                                                                  cfg.distill))
+    return data, held_out
 
-    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
-    while state.step < end:
-        tic = time.perf_counter()
+
+@dataclass
+class Step:
+    """What one optimizer step reads: the target, the data, the loss and the ranks."""
+    target: Target
+    drafter: Drafter
+    data: DataStream
+    rng: np.random.Generator
+    cfg: TrainConfig
+    ranks: Ranks
+    cache: Optional[FeatureCache] = None
+
+    def __post_init__(self):
+        cfg, ranks = self.cfg, self.ranks
+        self.loss = nn.value_and_grad(self.drafter, lambda b: objective.combine(
+            *objective.loss_parts(self.drafter, b, cfg.selector_weight, cfg.distill),
+            reduce=ranks.reduce(), scale=ranks.size))
+        self.names = objective.part_names(self.drafter.version, bool(cfg.distill))
+
+    def empty_share(self):
+        """A rank whose share of the micro-batch has no block: no gradient of its own, and
+        the same all_sum of the sums and counts as every other rank."""
+        zero = mx.array(0.0)
+        _, metrics = objective.combine({k: (zero, zero) for k in self.names}, {"ce": 1.0},
+                                       reduce=self.ranks.reduce())
+        return metrics, tree_map(mx.zeros_like, self.drafter.trainable_parameters())
+
+    def gradients(self):
+        """(gradient averaged over the step's non-empty micro-batches and summed over the
+        ranks, metric sums, how many micro-batches); the same on every rank."""
         grads, sums, n = None, {}, 0
-        for _ in range(cfg.grad_accum):
-            blocks = micro_batch(target, drafter, data.next(cfg.batch_size), rng, cfg, cache)
-            if blocks.anchors.size == 0:
-                continue
-            (_, metrics), g = step_fn(blocks)
+        for _ in range(self.cfg.grad_accum):
+            seqs = self.data.next(self.cfg.batch_size)
+            draws = draw(self.rng, seqs, self.cfg, self.drafter.config.block_size)
+            if draws.anchors.size == 0:
+                continue  # on every rank: the draws are the whole micro-batch's
+            blocks = build_blocks(self.target, self.drafter, seqs, draws, self.cfg, self.cache,
+                                  self.ranks.share(len(seqs)))
+            if blocks.anchors.size:
+                (_, metrics), g = self.loss(blocks)
+            else:
+                metrics, g = self.empty_share()
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(grads, metrics)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.item()
             n += 1
+        if n:
+            grads = self.ranks.gradients(tree_map(lambda g: g / n, grads))
+        return grads, sums, n
+
+
+def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir,
+          cfg: TrainConfig, resume: bool = True, log: Optional[Callable[[dict], None]] = None,
+          target_name: str = "", group=None):
+    """Train ``drafter`` against ``target_model`` on dataset ``records``.
+
+    With ``resume`` and a checkpoint under ``out_dir``, continue from it (``drafter`` may
+    then be None).  ``target_name`` identifies the target in the feature cache's meta.
+    ``group``: an ``mx.distributed`` group to train data-parallel over (see ``ranks``);
+    rank 0 alone logs, evaluates and writes.  Returns the trained drafter; its history is
+    in ``OUT/final``."""
+    out_dir = Path(out_dir)
+    ranks = ranks_of(group)
+    check_config(ranks, cfg.batch_size, cfg.feature_cache_gb)
+    if ranks.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    drafter, optimizer, state, rng = start(drafter, out_dir, cfg, resume, ranks)
+    target = attach(target_model, drafter)
+    data, held_out = split_records(records, cfg, state)
+    agree(ranks, {"the training data": data_digest(data.seqs + held_out),
+                  "the drafter's parameters": params_digest(drafter),
+                  "the optimizer state": digest(*[x for kv in tree_flatten(optimizer.state) for x in kv])})
+    cache = None
+    if cfg.feature_cache_gb > 0:
+        meta = {"target": target_name, "layers": drafter.config.target_layer_ids, "max_len": cfg.max_len}
+        cache = FeatureCache(out_dir / "features", int(cfg.feature_cache_gb * 2**30), meta)
+    step = Step(target, drafter, data, rng, cfg, ranks, cache)
+    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
+    while state.step < end:
+        tic = time.perf_counter()
+        try:
+            grads, sums, n = step.gradients()
+        except RuntimeError as e:
+            if not ranks.distributed or not any(w in str(e) for w in ("peer", "connection", "ring")):
+                raise
+            raise RuntimeError(f"rank {ranks.rank}: training stopped at step {state.step + 1}: "
+                               f"{e} (another rank ended)") from e
         if n == 0:
             continue
-        grads = tree_map(lambda g: g / n, grads)
         grads, norm = optim.clip_grad_norm(grads, cfg.clip)
         lr = schedule(cfg)(mx.array(state.step)).item()  # what this update uses
         optimizer.update(drafter, grads)
@@ -256,6 +350,8 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
         state.rng = rng.bit_generator.state
         entry = {"step": state.step, **{k: v / n for k, v in sums.items()},
                  "grad_norm": norm.item(), "lr": lr, "sec": time.perf_counter() - tic}
+        if not ranks.main:
+            continue
         if held_out and (state.step % cfg.val_every == 0 or state.step == end):
             entry.update(validate(target, drafter, held_out, cfg))
         state.history.append(entry)
@@ -265,6 +361,7 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
             save_checkpoint(drafter, optimizer, state, cfg, out_dir / f"step-{state.step:06d}")
             _prune(out_dir, cfg.keep)
     state.rng = rng.bit_generator.state
-    save_checkpoint(drafter, optimizer, state, cfg, out_dir / "final")
+    if ranks.main:
+        save_checkpoint(drafter, optimizer, state, cfg, out_dir / "final")
     drafter.eval()
     return drafter
