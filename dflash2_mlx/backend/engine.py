@@ -195,15 +195,16 @@ class Engine:
         raise TypeError("prompt must be text or a list of token ids")
 
     def encode_chat(self, messages: List[dict], tools: Optional[List[dict]] = None,
-                    chat_template_kwargs: Optional[dict] = None) -> List[int]:
+                    chat_template_kwargs: Optional[dict] = None, prefill: Optional[str] = None) -> List[int]:
         """Token ids of chat messages rendered with the chat template (tools included);
         ``chat_template_kwargs``: the request's template variables (e.g.
         ``{"enable_thinking": False}``), over the model's and the engine's
-        (``ModelSettings.template_variables``)."""
+        (``ModelSettings.template_variables``); ``prefill``: the start of the assistant's
+        reply, which the reply continues (``generate.chat_ids``)."""
         self._check_running()
         variables = self.settings.template_variables(chat_template_kwargs, self.chat_template_args)
         try:
-            return chat_ids(self.tokenizer, messages, tools=tools, template_kwargs=variables)
+            return chat_ids(self.tokenizer, messages, prefill, tools=tools, template_kwargs=variables)
         except TemplateVariableError as e:
             raise InvalidOption("chat_template_kwargs", str(e)) from None
 
