@@ -120,14 +120,13 @@ def pair(server):
     return model, tokenizer
 
 
-def greedy(pair, messages, n: int, tools=None):
-    """generate()'s first ``n`` greedy tokens for template messages, and their text."""
+def greedy(pair, messages, n: int, tools=None, prefill=None):
+    """generate()'s first ``n`` greedy tokens for template messages (and ``prefill``, the
+    start of the reply), and its text."""
     model, tokenizer = pair
-    ids = chat_ids(tokenizer, messages, tools=tools)
-    out = on_worker(lambda: [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=n)])
-    if out and out[-1] == tokenizer.eos_token_id:
-        return out, tokenizer.decode(out[:-1])
-    return out, tokenizer.decode(out)
+    ids = chat_ids(tokenizer, messages, prefill, tools=tools)
+    out = on_worker(lambda: list(stream_generate(model, tokenizer, ids, max_tokens=n)))
+    return [r.token for r in out], "".join(r.text for r in out)
 
 
 def test_reply_equals_generate(client, pair):
@@ -213,6 +212,17 @@ def test_count_tokens_equals_the_prompt_generate_uses(client, pair):
     assert none.input_tokens == len(chat_ids(pair[1], template))
 
 
+def test_prefill_is_continued(client, pair):
+    """A final assistant message is the start of the reply: the reply continues it (and
+    leaves it out), as generate() continues the same prefill."""
+    messages = HELLO + [{"role": "assistant", "content": [{"type": "text", "text": "Hello! My name"}]}]
+    r = client.messages.create(model=MODEL, max_tokens=8, messages=messages)
+    ids, text = greedy(pair, HELLO, 8, prefill="Hello! My name")
+    assert r.content[0].text == text and r.usage.output_tokens == len(ids)
+    count = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    assert count == len(chat_ids(pair[1], HELLO, "Hello! My name"))
+
+
 def test_stop_sequence_ends_the_reply(client, pair):
     _, text = greedy(pair, HELLO, 12)
     word = text.split()[2]
@@ -236,7 +246,8 @@ BAD = [
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f",
                                                                   "input": {}}]}]}, "assistant message"),
-    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": "Hi"}]}, "last message"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f",
+                                                                       "input": {}}]}]}, "final assistant message"),
     ({"max_tokens": 5, "tools": [{"name": "f"}], "messages": HELLO}, "tools.0.input_schema"),
     ({"max_tokens": 5, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "g"}, "messages": HELLO}, "tool_choice"),
     ({"max_tokens": 5, "stop_sequences": "x", "messages": HELLO}, "stop_sequences"),

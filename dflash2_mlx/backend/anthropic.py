@@ -34,7 +34,7 @@ def add_routes(app: FastAPI, pool: EnginePool):
         engine = await engine_for(pool, body)
         mid, tools = new_message_id(), body.template_tools()
         with mapped_errors():
-            ids = await engine.off_loop(engine.encode_chat, body.template_messages(), tools)
+            ids = await engine.off_loop(engine.encode_chat, body.template_messages(), tools, None, body.prefill)
             chunks = engine.stream_ids(ids, tools, chat=True, request_id=mid, **body.options())
             if body.stream:
                 return framed_response(events(mid, body, chunks), engine, mid, error_frame)
@@ -46,7 +46,8 @@ def add_routes(app: FastAPI, pool: EnginePool):
         body = await parse(request, CountRequest)
         engine = await engine_for(pool, body)
         with mapped_errors():
-            ids = await engine.off_loop(engine.encode_chat, body.template_messages(), body.template_tools())
+            ids = await engine.off_loop(engine.encode_chat, body.template_messages(), body.template_tools(),
+                                        None, body.prefill)
         return {"input_tokens": len(ids)}
 
 

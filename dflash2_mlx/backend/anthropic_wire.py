@@ -128,10 +128,19 @@ class CountRequest(_Strict):
         c, names = self.tool_choice, [t.name for t in self.tools or ()]
         if c is not None and c.type == "tool" and c.name not in names:
             raise ValueError(f"tool_choice names the tool {c.name!r}, which is not among the tools")
-        if self.messages[-1].role != "user":
-            raise ValueError("the last message is the user's (a final assistant message, a prefill, "
-                             "is not supported by this server)")
+        last = self.messages[-1]
+        if last.role == "assistant" and any(b.type == "tool_use" for b in last.content):
+            raise ValueError("a final assistant message (a prefill the reply continues) is text: "
+                             "its tool uses need their tool results in a user message after it")
         return self
+
+    @property
+    def prefill(self) -> Optional[str]:
+        """A final assistant message's text: the start of the reply, which the reply continues."""
+        last = self.messages[-1]
+        if last.role != "assistant":
+            return None
+        return text_of(b for b in last.content if b.type == "text") or None  # none: a new turn
 
     def template_tools(self) -> Optional[List[dict]]:
         """The tools the chat template is given, in OpenAI's function format: tool_choice
@@ -147,7 +156,7 @@ class CountRequest(_Strict):
 
     def template_messages(self) -> List[dict]:
         out = [{"role": "system", "content": text_of(self.system)}] if self.system else []
-        for m in self.messages:
+        for m in self.messages[:-1] if self.messages[-1].role == "assistant" else self.messages:
             out += user_turn(m.content) if m.role == "user" else [assistant_turn(m.content)]
         return out
 
