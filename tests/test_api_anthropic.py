@@ -14,6 +14,7 @@ import anthropic
 import httpx
 import pytest
 
+from dflash2_mlx.backend.anthropic import error_frame
 from dflash2_mlx.backend.anthropic_wire import MessagesRequest, error_body, reply_content, stop_reason
 from dflash2_mlx.backend.protocol import APIError
 from dflash2_mlx.backend.settings import SettingsStore
@@ -277,6 +278,9 @@ def test_key_unknown_model_and_error_shapes(server, client):
     assert error_body(APIError(503, "busy"))["error"]["type"] == "overloaded_error"
     assert error_body(APIError(500, "x"))["error"]["type"] == "api_error"
     assert error_body(APIError(429, "x"))["error"]["type"] == "rate_limit_error"
+    # an error once a stream has begun: an event of its own, with the same body
+    assert error_frame(APIError(503, "busy")) == (
+        'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}\n\n')
 
 
 def metrics(server) -> dict:
