@@ -45,10 +45,7 @@ class Ranks:
 
     def share(self, n: int) -> Optional[Tuple[int, int]]:
         """Items [lo, hi) of an n-item micro-batch that this rank builds (None: all)."""
-        if not self.distributed:
-            return None
-        per = n // self.size
-        return self.rank * per, (self.rank + 1) * per
+        return share_of(self.rank, self.size, n) if self.distributed else None
 
     def reduce(self):
         """The all_sum that adds up the ranks' loss sums and counts (None: one process)."""
@@ -64,18 +61,24 @@ class Ranks:
         return nn.average_gradients(grads, group=self.group)
 
 
+def share_of(rank: int, size: int, n: int) -> Tuple[int, int]:
+    """Rank ``rank``'s contiguous items of ``n`` over ``size`` ranks (n divisible by size)."""
+    per = n // size
+    return rank * per, (rank + 1) * per
+
+
 def ranks_of(group) -> Ranks:
     """``Ranks`` of a group (None or a group of one: a single process)."""
     return Ranks(group if group is not None and group.size() > 1 else None)
 
 
-def check_config(ranks: Ranks, batch_size: int, feature_cache_gb: float):
-    """Settings data-parallel training cannot run with (the same on every rank, so every
-    rank stops with this error before any collective)."""
-    if not ranks.distributed:
+def check_config(size: int, batch_size: int, feature_cache_gb: float):
+    """Settings data-parallel training over ``size`` ranks cannot run with (the same on
+    every rank, so every rank stops with this error before any collective)."""
+    if size == 1:
         return
-    if batch_size % ranks.size:
-        raise ValueError(f"batch size {batch_size} is not divisible by the {ranks.size} ranks: "
+    if batch_size % size:
+        raise ValueError(f"batch size {batch_size} is not divisible by the {size} ranks: "
                          f"each rank takes batch_size / ranks sequences of a micro-batch")
     if feature_cache_gb > 0:
         raise ValueError("the feature cache is for one process: with several ranks every rank "

@@ -316,7 +316,7 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
     in ``OUT/final``."""
     out_dir = Path(out_dir)
     ranks = ranks_of(group)
-    check_config(ranks, cfg.batch_size, cfg.feature_cache_gb)
+    check_config(ranks.size, cfg.batch_size, cfg.feature_cache_gb)
     if ranks.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     drafter, optimizer, state, rng = start(drafter, out_dir, cfg, resume, ranks)
