@@ -5,7 +5,7 @@ it (``dflash2_mlx.distributed.local.launch``).
 
 SPEC: {"target": dir, "drafter": dir (the starting drafter), "data": jsonl, "runs": [run]},
 each run {"out": dir ("{rank}" is replaced by the rank), "config": TrainConfig fields,
-"end_after": {rank: steps}}.  The runs go one after another in this process (one launch,
+"end_after": {rank: steps}, "drafter": dir (optional, instead of the spec's)}.  The runs go one after another in this process (one launch,
 several checks).  ``end_after`` ends that rank early, as a rank that dies: it trains that
 many steps, then the process exits with status 3 at once.  After each run every rank
 prints one JSON line: {"run", "rank", "digest"} (the digest of its drafter's parameters).
@@ -34,7 +34,7 @@ def main(spec_path):
         end_after = run.get("end_after", {}).get(str(rank))
         if end_after:
             cfg = trainer.TrainConfig(**{**run["config"], "stop_after": end_after})
-        drafter = load_drafter(spec["drafter"])
+        drafter = load_drafter(run.get("drafter", spec["drafter"]))
         out = run["out"].replace("{rank}", str(rank))
         trained = trainer.train(model, drafter, records, out, cfg, group=group)
         if end_after:

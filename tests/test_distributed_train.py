@@ -53,6 +53,9 @@ def tiny(tmp_path_factory):
                                   mask_token_id=init.default_mask_token_id(tok, 33),
                                   target_layer_ids=[1, 2], selector_rank=8, selector_top_k=4)
     save_drafter(init.new_drafter(cfg, seed=0), root / "init")
+    v1 = init.new_drafter_config(model, version=1, num_layers=1, block_size=5,
+                                 mask_token_id=cfg.mask_token_id, target_layer_ids=[1, 3])
+    save_drafter(init.new_drafter(v1, seed=2), root / "init-v1")  # last tap = last layer
     return root, model, data.read_dataset(root / "data.jsonl")
 
 
@@ -60,9 +63,9 @@ def params(drafter):
     return {k: np.array(v) for k, v in tree_flatten(drafter.parameters())}
 
 
-def single(tiny, out, **config):
+def single(tiny, out, drafter="init", **config):
     root, model, records = tiny
-    return trainer.train(model, load_drafter(str(root / "init")), records, out,
+    return trainer.train(model, load_drafter(str(root / drafter)), records, out,
                          trainer.TrainConfig(**{**CONFIG, **config}))
 
 
@@ -183,20 +186,27 @@ def test_a_dying_rank_ends_the_other_and_the_run_resumes(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_ranks_that_disagree_stop_with_a_clear_error(tiny, tmp_path):
-    """A checkpoint only rank 0 can see (run directories not shared), then another
-    batch split (three ranks, batch 3 of 6 sequences over micro-batches of 2 each)."""
+    """A checkpoint only rank 0 can see (run directories not shared), then other batch
+    splits (three ranks, 2 of the 6 sequences of each micro-batch each; a DFlash v1
+    drafter distilled from the target's distribution)."""
     single(tiny, tmp_path / "e-0", stop_after=1)
     results, _ = run_ranks(tiny, tmp_path, [{"out": str(tmp_path / "e-{rank}"), "config": CONFIG}])
     for r in results:
         assert r.returncode not in (0, None)
         assert "the ranks differ on the checkpoint step" in r.stderr, r.stderr[-2000:]
-    results, lines = run_ranks(tiny, tmp_path, [{"out": str(tmp_path / "f"),
-                                                 "config": {**CONFIG, "batch_size": 6, "grad_accum": 1}}],
-                               n=3)
+    three = {**CONFIG, "batch_size": 6, "grad_accum": 1}
+    distill = {**CONFIG, "batch_size": 6, "distill": 0.5, "min_block_size": 0}
+    results, lines = run_ranks(tiny, tmp_path, [
+        {"out": str(tmp_path / "f"), "config": three},
+        {"out": str(tmp_path / "h"), "config": distill, "drafter": str(tiny[0] / "init-v1")}], n=3)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     assert_close(params(load_drafter(str(tmp_path / "f" / "final"))),
-                 params(single(tiny, tmp_path / "g", batch_size=6, grad_accum=1)))
+                 params(single(tiny, tmp_path / "g", **three)))
+    assert_close(params(load_drafter(str(tmp_path / "h" / "final"))),
+                 params(single(tiny, tmp_path / "i", drafter="init-v1", **distill)))
+    kl = json.loads((tmp_path / "h/final/training_state/state.json").read_text())["state"]["history"]
+    assert all(h["kl"] > 0 for h in kl)
 
 
 def cli_args(root, out, *extra):
