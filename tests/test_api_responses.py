@@ -229,28 +229,45 @@ def as_messages(items) -> list:
 CHAT_TOOLS = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
 
 
-def test_function_call_round_trip(client, reference):
-    """Two worked examples in the input make the model call get_weather for Paris; its
-    output sent back (previous_response_id) gets the answer; both as generate() gives them."""
-    items = weather_example("London", 1, "sunny") + weather_example("Rome", 2, "rainy")
-    items += [{"role": "user", "content": "What is the weather in Paris?"}]
+def paris_items() -> list:
+    """Two worked examples, then the question: the model calls get_weather for Paris."""
+    return weather_example("London", 1, "sunny") + weather_example("Rome", 2, "rainy") + [
+        {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def round_trip(client):
+    """The model's function call, then its answer to our function_call_output (sent with
+    previous_response_id); and the items of the second turn."""
+    items = paris_items()
     first = client.responses.create(model=MODEL, input=items, tools=[WEATHER], temperature=0, max_output_tokens=40)
+    call = first.output[-1]
+    answer = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER], temperature=0,
+                                     max_output_tokens=20, input=[{"type": "function_call_output",
+                                                                   "call_id": call.call_id, "output": "cloudy"}])
+    sent_back = items + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                          "arguments": call.arguments},
+                         {"type": "function_call_output", "call_id": call.call_id, "output": "cloudy"}]
+    return first, answer, sent_back
+
+
+def test_function_call_round_trip(client):
+    first, answer, _ = round_trip(client)
     [call] = first.output
     assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
     assert json.loads(call.arguments) == {"city": "Paris"} and call.id.startswith("fc_") and call.call_id
     assert first.status == "completed" and first.output_text == ""
     assert first.tools[0].name == "get_weather" and first.tool_choice == "auto"
-    assert reference(as_messages(items), CHAT_TOOLS, max_tokens=40) == \
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    answer = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER], temperature=0,
-                                     max_output_tokens=20, input=[{"type": "function_call_output",
-                                                                   "call_id": call.call_id, "output": "cloudy"}])
-    assert answer.output[0].type == "message" and answer.previous_response_id == first.id
-    sent_back = items + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
-                          "arguments": call.arguments},
-                         {"type": "function_call_output", "call_id": call.call_id, "output": "cloudy"}]
-    assert answer.output_text == reference(as_messages(sent_back), CHAT_TOOLS, max_tokens=20)
+    assert [o.type for o in answer.output] == ["message"] and answer.previous_response_id == first.id
     assert "cloudy" in answer.output_text and "Paris" in answer.output_text
+
+
+@pytest.mark.slow
+def test_function_call_turns_equal_generate(client, reference):
+    """Both turns of the round trip are generate()'s text for the same chat messages."""
+    first, answer, sent_back = round_trip(client)
+    assert reference(as_messages(paris_items()), CHAT_TOOLS, max_tokens=40) == \
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert answer.output_text == reference(as_messages(sent_back), CHAT_TOOLS, max_tokens=20)
 
 
 def test_function_call_streamed(client):
@@ -267,6 +284,7 @@ def test_function_call_streamed(client):
     assert events[-2].item.arguments == call.arguments
 
 
+@pytest.mark.slow
 def test_tool_choice_none_offers_no_tools(client, reference):
     """With tool_choice "none" the template gets no tools and nothing is parsed as a call."""
     items = weather_example("London", 1, "sunny") + [{"role": "user", "content": "What is the weather in Paris?"}]
