@@ -9,6 +9,7 @@ calls (json_tools) and a few worked examples make it call the tool at T=0."""
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -224,7 +225,7 @@ def test_prefill_is_continued(client, pair):
     assert count == len(chat_ids(pair[1], HELLO, "Hello! My name"))
 
 
-def test_stop_sequence_ends_the_reply(client, pair):
+def test_stop_sequence_ends_the_reply(server, client, pair):
     _, text = greedy(pair, HELLO, 12)
     word = text.split()[2]
     kw = dict(model=MODEL, max_tokens=12, messages=HELLO, stop_sequences=["zzzz", word])
@@ -235,6 +236,11 @@ def test_stop_sequence_ends_the_reply(client, pair):
         final = stream.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == word
     assert final.content[0].text == r.content[0].text
+    # two at once: they share the batch, which reports the stop string as the single stream does
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: client.messages.create(**kw), range(2)))
+    assert [(m.stop_sequence, m.content[0].text) for m in both] == [(word, r.content[0].text)] * 2
+    assert metrics(server)["models"][MODEL]["peak_batch_size"] == 2
 
 
 BAD = [
