@@ -155,3 +155,29 @@ def test_block_sizes_and_copies(family, smol, hybrid):
     lines = run_ranks(target, draft, runs, timeout=600)
     check_ranks(lines, runs, expected_tokens(model, tokenizer, drafter, runs),
                 drafter.config.hidden_size, len(model.layers))
+
+
+@pytest.mark.slow
+def test_three_ranks_one_without_taps(hybrid):
+    """3 ranks over the 4-layer hybrid (layers 2-3, 1, 0): the tapped layers 1 and 2 on two
+    ranks, the third adding zeros to the all_sum; same tokens on every rank."""
+    target, draft, model, tokenizer, drafter = hybrid
+    runs = [dict(prompt=TINY_PROMPT, max_tokens=24, block_size=5),
+            dict(prompt=TINY_PROMPT, max_tokens=24, block_size=8, temp=1.0, seed=11)]
+    lines = run_ranks(target, draft, runs, n=3, timeout=600)
+    assert sorted((ls[-1]["start"], ls[-1]["stop"]) for ls in lines) == [(0, 1), (1, 2), (2, 4)]
+    check_ranks(lines, runs, expected_tokens(model, tokenizer, drafter, runs),
+                drafter.config.hidden_size, len(model.layers))
+
+
+@pytest.mark.slow
+def test_sliding_window_llama(tmp_path):
+    """A tiny llama with sliding-window layers (our staged loop, a mask per kind of layer;
+    verify passes that reach the window restore and replay) on 2 ranks = plain mlx-lm."""
+    target = make_target(tmp_path / "target", "llama_sliding", scale=4.0)
+    draft = make_drafter(tmp_path / "drafter", target)
+    model, tokenizer, drafter = load(str(target), str(draft))
+    runs = [dict(prompt=TINY_PROMPT, max_tokens=30, block_size=b) for b in (3, 8)]
+    lines = run_ranks(target, draft, runs)
+    check_ranks(lines, runs, expected_tokens(model, tokenizer, drafter, runs),
+                drafter.config.hidden_size, len(model.layers))
