@@ -3,7 +3,7 @@ it (``dflash2_mlx.distributed.local.launch``).
 
     python tests/dist_train_ranks.py SPEC.json
 
-SPEC: {"target": dir, "drafter": dir (the starting drafter), "data": jsonl, "runs": [run]},
+SPEC: {"target": dir ("{rank}" is replaced by the rank), "drafter": dir (the starting drafter), "data": jsonl, "runs": [run]},
 each run {"out": dir ("{rank}" is replaced by the rank), "config": TrainConfig fields,
 "end_after": {rank: steps}, "drafter": dir (optional, instead of the spec's)}.  The runs go one after another in this process (one launch,
 several checks).  ``end_after`` ends that rank early, as a rank that dies: it trains that
@@ -27,7 +27,7 @@ def main(spec_path):
     spec = json.loads(open(spec_path).read())
     group = mx.distributed.init()
     rank = group.rank()
-    model, _ = mlx_lm.load(spec["target"])
+    model, _ = mlx_lm.load(spec["target"].replace("{rank}", str(rank)))
     records = data.read_dataset(spec["data"])
     for i, run in enumerate(spec["runs"]):
         cfg = trainer.TrainConfig(**run["config"])

@@ -69,9 +69,9 @@ def single(tiny, out, drafter="init", **config):
                          trainer.TrainConfig(**{**CONFIG, **config}))
 
 
-def run_ranks(tiny, tmp_path, runs, n=2, timeout=240):
+def run_ranks(tiny, tmp_path, runs, n=2, timeout=240, target="target"):
     root = tiny[0]
-    spec = {"target": str(root / "target"), "drafter": str(root / "init"),
+    spec = {"target": str(root / target), "drafter": str(root / "init"),
             "data": str(root / "data.jsonl"), "runs": runs}
     path = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
     path.write_text(json.dumps(spec))
@@ -186,7 +186,8 @@ def test_a_dying_rank_ends_the_other_and_the_run_resumes(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_ranks_that_disagree_stop_with_a_clear_error(tiny, tmp_path):
-    """A checkpoint only rank 0 can see (run directories not shared), then other batch
+    """A checkpoint only rank 0 can see (run directories not shared), another target on
+    rank 1, then other batch
     splits (three ranks, 2 of the 6 sequences of each micro-batch each; a DFlash v1
     drafter distilled from the target's distribution)."""
     single(tiny, tmp_path / "e-0", stop_after=1)
@@ -194,6 +195,13 @@ def test_ranks_that_disagree_stop_with_a_clear_error(tiny, tmp_path):
     for r in results:
         assert r.returncode not in (0, None)
         assert "the ranks differ on the checkpoint step" in r.stderr, r.stderr[-2000:]
+    shutil.copytree(tiny[0] / "target", tmp_path / "target-0")
+    make_target(tmp_path / "target-1", "qwen3", seed=1, scale=4.0)
+    results, _ = run_ranks(tiny, tmp_path, [{"out": str(tmp_path / "t"), "config": CONFIG}],
+                           target=str(tmp_path / "target-{rank}"))
+    for r in results:
+        assert r.returncode not in (0, None)
+        assert "the ranks differ on the target" in r.stderr, r.stderr[-2000:]
     three = {**CONFIG, "batch_size": 6, "grad_accum": 1}
     distill = {**CONFIG, "batch_size": 6, "distill": 0.5, "min_block_size": 0}
     results, lines = run_ranks(tiny, tmp_path, [
@@ -232,6 +240,8 @@ def test_cli_under_a_launch(tiny, tmp_path):
                  params(load_drafter(str(tmp_path / "one" / "final"))))
     # Settings several ranks cannot train with: every rank says so and exits 2.
     shutil.rmtree(tmp_path / "run")
-    bad = cli_args(root, tmp_path / "run", "--batch-size", "3")
-    for r in launch(2, cmd + bad, timeout=120, grace=30, cwd=str(ROOT)):
-        assert r.returncode == 2 and "not divisible by the 2 ranks" in r.stderr, r.stderr[-2000:]
+    for extra, says in ((["--batch-size", "3"], "not divisible by the 2 ranks"),
+                        (["--prompts", str(root / "prompts.jsonl")], "--data-only")):
+        bad = cli_args(root, tmp_path / "run", *extra)
+        for r in launch(2, cmd + bad, timeout=120, grace=30, cwd=str(ROOT)):
+            assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]

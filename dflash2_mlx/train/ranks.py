@@ -112,6 +112,15 @@ def params_digest(module) -> List[int]:
     return digest(*[x for kv in tree_flatten(module.parameters()) for x in kv])
 
 
+def target_digest(model) -> List[int]:
+    """``digest`` of a target's parameter names, shapes and dtypes, and of every 97th row of
+    its embedding table (cheap next to hashing every weight of a large target, and enough
+    to tell two models apart)."""
+    flat = tree_flatten(model.parameters())
+    rows = [v[::97] for k, v in flat if "embed" in k and k.endswith("weight")][:1]
+    return digest([(k, tuple(v.shape), str(v.dtype)) for k, v in flat], *rows)
+
+
 def agree(ranks: Ranks, facts: Dict[str, Sequence[int]]):
     """Raise the same ``ValueError`` on every rank when the ranks differ on any of ``facts``
     (name -> int32 words), found with one all_gather."""

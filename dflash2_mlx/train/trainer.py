@@ -28,7 +28,8 @@ from ..loop.target import Target, attach, text_model
 from . import objective
 from .data import sequences
 from .features import FeatureCache, batch_features
-from .ranks import Ranks, agree, check_config, data_digest, digest, params_digest, ranks_of
+from .ranks import (Ranks, agree, check_config, data_digest, digest, params_digest, ranks_of,
+                    target_digest)
 
 STATE_DIR = "training_state"
 
@@ -323,6 +324,7 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
     target = attach(target_model, drafter)
     data, held_out = split_records(records, cfg, state)
     agree(ranks, {"the training data": data_digest(data.seqs + held_out),
+                  "the target": target_digest(target_model),
                   "the drafter's parameters": params_digest(drafter),
                   "the optimizer state": digest(*[x for kv in tree_flatten(optimizer.state) for x in kv])})
     cache = None
