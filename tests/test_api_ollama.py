@@ -155,7 +155,9 @@ def test_raw_generate_takes_the_prompt_as_it_is(client, reference):
 def test_options_stop_and_logprobs(client, reference):
     _, text = reference["greedy"](CHAT)
     assert "!" in text  # what the stop string below cuts at
-    r = client.chat(model=MODEL, messages=CHAT, options={**GREEDY, "stop": ["!"], "mirostat": 0, "nonsense": 1})
+    # Ollama's own knobs (mirostat), unknown keys, seed -1 (random) and think: false are taken.
+    r = client.chat(model=MODEL, messages=CHAT, think=False,
+                    options={**GREEDY, "stop": ["!"], "mirostat": 0, "nonsense": 1, "seed": -1})
     assert r.message.content == text[: text.index("!")] and r.done_reason == "stop"
     r = client.chat(model=MODEL, messages=CHAT, options=GREEDY, logprobs=True, top_logprobs=2)
     assert len(r.logprobs) == r.eval_count and all(len(e.top_logprobs) == 2 for e in r.logprobs)

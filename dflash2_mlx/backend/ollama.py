@@ -148,6 +148,10 @@ def _ndjson(lines, engine, rid):
 async def _load_or_unload(pool, model_id: str, name: str, body, chat: bool) -> dict:
     """A request with nothing to generate loads its model (keep_alive 0: unloads it)."""
     if body.unloads:
+        engine = pool.engines.get(model_id)
+        if engine is not None and (engine.has_active_requests() or engine.settings.is_pinned):
+            why = "it is pinned (is_pinned)" if engine.settings.is_pinned else "requests are running on it"
+            raise APIError(409, f"model '{name}' is not unloaded: {why}", code="model_busy")
         await pool.unload(model_id)
         return loaded_line(name, chat, "unload")
     await engine_for(pool, _Named(model_id))
