@@ -93,8 +93,8 @@ def test_llama_two_ranks_match_one_process(smol):
     """SmolLM2 (llama: our own staged loop) on 2 ranks: greedy = plain mlx-lm, sampled with
     a seed = DFlash in one process."""
     model, tokenizer, drafter = smol
-    runs = [dict(prompt=SMOL_PROMPT, max_tokens=24, block_size=5),
-            dict(prompt=SMOL_PROMPT, max_tokens=24, block_size=8, temp=0.8, seed=3)]
+    runs = [dict(prompt=SMOL_PROMPT, max_tokens=16, block_size=5),
+            dict(prompt=SMOL_PROMPT, max_tokens=12, block_size=8, temp=0.8, seed=3)]
     lines = run_ranks(None, None, runs)
     check_ranks(lines, runs, expected_tokens(model, tokenizer, drafter, runs),
                 drafter.config.hidden_size, len(model.layers))

@@ -135,7 +135,7 @@ def check(model, size: int):
     tm = text_model(model)
     inner = getattr(tm, "model", None)
     family = getattr(model_args(model), "model_type", type(model).__module__)
-    if stage_of(model) is not None:
+    if stage_of(model) is not None or getattr(model, "dflash_tensor", None) is not None:
         raise ValueError("this target is already split")
     module = type(inner).__module__.rsplit(".", 1)[-1] if inner is not None else ""
     if inner is None or not (hasattr(inner, "pipeline") or module in OWN_LOOP):
