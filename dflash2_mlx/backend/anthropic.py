@@ -13,7 +13,7 @@ import json
 from fastapi import FastAPI, Request
 
 from .anthropic_wire import (CountRequest, MessagesRequest, error_body, message, new_message_id, reply_content,
-                             stop_reason, tool_use_block, usage)
+                             stop_fields, tool_use_block, usage)
 from .http import engine_for, error_shape, mapped_errors, parse, until_disconnect
 from .pool import EnginePool
 from .protocol import APIError
@@ -64,23 +64,19 @@ async def events(mid: str, body: MessagesRequest, chunks):
     """The engine's chunks as Anthropic's stream: message_start (once the first chunk tells
     the prompt's cached tokens), a ping, each content block's start, deltas and stop,
     message_delta (stop reason, usage) and message_stop."""
-    blocks = Blocks()
-    last = None
-    async for last in chunks:
-        if not blocks.started:
-            blocks.started = True
-            yield frame({"type": "message_start", "message": message(mid, body.model, []) | {"usage": usage(last)}})
+    blocks, last = Blocks(), None
+    async for chunk in chunks:
+        if last is None:
+            yield frame({"type": "message_start", "message": message(mid, body.model, []) | {"usage": usage(chunk)}})
             yield frame({"type": "ping"})
+        last = chunk
         for event in blocks.add(last.text, last.tool_calls, body.one_tool_use):
             yield frame(event)
     if last is None:  # the engine ends every stream with a chunk; this one had none
         raise APIError(500, "the reply ended before it began", type="server_error")
     for event in blocks.close(empty_text=True):
         yield frame(event)
-    reason = stop_reason(last)
-    yield frame({"type": "message_delta",
-                 "delta": {"stop_reason": reason, "stop_sequence": last.stop_sequence if reason == "stop_sequence" else None},
-                 "usage": usage(last)})
+    yield frame({"type": "message_delta", "delta": stop_fields(last), "usage": usage(last)})
     yield frame({"type": "message_stop"})
 
 
@@ -92,7 +88,6 @@ class Blocks:
     def __init__(self):
         self.count = 0  # blocks started
         self.open_text = False
-        self.started = False  # message_start sent
         self.tool_uses = 0
 
     def add(self, text: str, calls, one_tool_use: bool):
@@ -100,7 +95,8 @@ class Blocks:
             if not self.open_text:
                 yield self._start({"type": "text", "text": ""})
                 self.open_text = True
-            yield {"type": "content_block_delta", "index": self.count - 1, "delta": {"type": "text_delta", "text": text}}
+            yield {"type": "content_block_delta", "index": self.count - 1,
+                   "delta": {"type": "text_delta", "text": text}}
         for call in calls:
             if one_tool_use and self.tool_uses:
                 continue

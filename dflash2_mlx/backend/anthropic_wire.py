@@ -243,6 +243,12 @@ def stop_reason(c) -> str:
     return "stop_sequence" if c.stop_sequence is not None else "end_turn"
 
 
+def stop_fields(c) -> dict:
+    """``stop_reason`` and ``stop_sequence`` (the stop string, when one ended the reply)."""
+    reason = stop_reason(c)
+    return {"stop_reason": reason, "stop_sequence": c.stop_sequence if reason == "stop_sequence" else None}
+
+
 def usage(c) -> dict:
     """Anthropic's usage: input_tokens leaves out the prompt tokens read from the prefix cache."""
     return {"input_tokens": c.prompt_tokens - c.cached_tokens, "output_tokens": c.completion_tokens,
@@ -254,9 +260,7 @@ def message(mid: str, model: str, content: List[dict], c=None) -> dict:
     out = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
            "stop_reason": None, "stop_sequence": None, "usage": None}
     if c is not None:
-        reason = stop_reason(c)
-        out.update(stop_reason=reason, stop_sequence=c.stop_sequence if reason == "stop_sequence" else None,
-                   usage=usage(c), dflash=dflash_stats(c))
+        out.update(stop_fields(c), usage=usage(c), dflash=dflash_stats(c))
     return out
 
 
