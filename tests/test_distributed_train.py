@@ -81,9 +81,12 @@ def run_ranks(tiny, tmp_path, runs, n=2, timeout=240, target="target"):
 
 
 def assert_close(a, b):
+    """Equal up to summation order: AdamW's normalised step turns the rounding of a gradient
+    entry near zero into a difference of a small fraction of one step (lr 3e-3), far below
+    what a wrongly weighted or missing share of the batch moves (whole steps everywhere)."""
     assert set(a) == set(b)
     for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=2e-5, err_msg=k)
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-4, err_msg=k)
 
 
 def test_split_batch_gives_the_whole_batch_gradient(tiny):
