@@ -12,7 +12,8 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import adaptive
+from . import adaptive, distributed as dist
+from .distributed import agree, fingerprint
 from .loop.draft_context import DraftContext
 from .model.drafter import Drafter
 from .model.checkpoint import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
@@ -51,7 +52,7 @@ class GenerationResponse:
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
          draft_bits: Optional[int] = None, draft_group_size: int = 64,
          draft_activation_bits: int = 32, adapter_path: Optional[str] = None,
-         tokenizer_config: Optional[dict] = None):
+         tokenizer_config: Optional[dict] = None, distributed: Optional[str] = None, group=None):
     """Load a target with mlx-lm and, optionally, its drafter (validated against it).
     ``adapter_path``: the target's LoRA / DoRA / full fine-tune adapters, as mlx-lm's
     ``load`` applies them (drafts are still verified by the adapted target: lossless).
@@ -60,7 +61,13 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
     Without ``target``: the built-in pair, SmolLM2-135M-Instruct (converted into the cache
     on first use, offline once it is there) and, unless ``draft`` is given, the DFlash 2
     drafter shipped for it.  Returns (model, tokenizer, drafter); drafter is None when a
-    ``target`` is given without ``draft``."""
+    ``target`` is given without ``draft``.
+
+    ``distributed``: split the target over ``mx.distributed`` ranks, "tensor" (mlx-lm's
+    ``shard``) or "pipeline" (layer ranges), over ``group`` (default: ``mx.distributed.init()``,
+    as ``mlx.launch`` sets it up).  Every rank checks that all hold the same files, loads the
+    target lazily (only its share is read), splits it and loads the drafter whole;
+    ``generate`` / ``stream_generate`` then run on every rank alike (docs/distributed.md)."""
     if target is None:
         # Imported here: the built-in pair's converter needs the GGUF packages, which loading
         # any other pair (and ``import dflash2_mlx``) does not.
@@ -71,14 +78,21 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
     adapters = Path(adapter_path).expanduser() if adapter_path is not None else None
     if adapters is not None and not (adapters / "adapter_config.json").is_file():
         raise CheckpointError(f"no adapter_config.json in {adapter_path} (adapters: a directory written by mlx_lm.lora)")
+    if distributed is not None:
+        dist.check_mode(distributed)
+        group = dist.init(group)
+        fingerprint.check(group, resolve(target), resolve(draft) if draft is not None else None)
     model, tokenizer = mlx_lm.load(str(resolve(target)), adapter_path=adapters and str(adapters),
-                                   tokenizer_config=tokenizer_config or {})
+                                   tokenizer_config=tokenizer_config or {}, lazy=distributed is not None)
     drafter = None
     if draft is not None:
-        drafter = load_drafter(draft, target=model)
+        drafter = load_drafter(draft, target=model)  # checked against the whole target
         if draft_bits is not None:
             quantize(drafter, draft_bits, draft_group_size)
         set_activation_bits(drafter, draft_activation_bits)
+    if distributed is not None:
+        dist.split(model, group, distributed)
+        mx.eval(model.parameters())
     return model, tokenizer, drafter
 
 
@@ -199,6 +213,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     limit = max_tokens if max_tokens > 0 else float("inf")
     if seed is not None:
         mx.random.seed(seed)
+    elif dist.group_of(model) is not None and not params.greedy:
+        mx.random.seed(agree.shared_seed(dist.group_of(model)))  # the ranks must sample alike
     # What both kinds of decoding take, under the same names as mlx-lm's generate_step.
     shared = dict(logits_processors=logits_processors, prompt_cache=prompt_cache,
                   prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
@@ -231,7 +247,11 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams
     chat = prompt_cache is not None and draft_context is None
     if chat:
         draft_context = chat_context(prompt_cache, drafter, draft_window, draft_sink)
-    policy = _block_policy(target, drafter, block_size, verify_mode, params.greedy, seed)
+    group = dist.group_of(model)
+    if group is not None and (block_size == adaptive.AUTO or verify_mode == "adaptive"):
+        agree.prepare_costs(target, drafter, group)  # calibrated by all ranks together, or none
+    policy = agree.agreed(_block_policy(target, drafter, block_size, verify_mode, params.greedy, seed),
+                          group)
     return policy, speculative_generate_step(
         ids, target, drafter, max_tokens=limit, params=params, block_size=policy,
         draft_window=draft_window, draft_sink=draft_sink, prompt_cache=prompt_cache,
