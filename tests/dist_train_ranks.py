@@ -5,7 +5,7 @@ it (``dflash2_mlx.distributed.local.launch``).
 
 SPEC: {"target": dir ("{rank}" is replaced by the rank), "drafter": dir (the starting drafter), "data": jsonl, "runs": [run]},
 each run {"out": dir ("{rank}" is replaced by the rank), "config": TrainConfig fields,
-"end_after": {rank: steps}, "drafter": dir (optional, instead of the spec's)}.  The runs go one after another in this process (one launch,
+"end_after": {rank: steps}, "drafter" / "data" (optional, instead of the spec's)}.  The runs go one after another in this process (one launch,
 several checks).  ``end_after`` ends that rank early, as a rank that dies: it trains that
 many steps, then the process exits with status 3 at once.  After each run every rank
 prints one JSON line: {"run", "rank", "digest"} (the digest of its drafter's parameters).
@@ -35,8 +35,9 @@ def main(spec_path):
         if end_after:
             cfg = trainer.TrainConfig(**{**run["config"], "stop_after": end_after})
         drafter = load_drafter(run.get("drafter", spec["drafter"]))
+        run_records = data.read_dataset(run["data"]) if "data" in run else records
         out = run["out"].replace("{rank}", str(rank))
-        trained = trainer.train(model, drafter, records, out, cfg, group=group)
+        trained = trainer.train(model, drafter, run_records, out, cfg, group=group)
         if end_after:
             os._exit(3)
         print(json.dumps({"run": i, "rank": rank, "digest": params_digest(trained)}), flush=True)

@@ -63,9 +63,9 @@ def params(drafter):
     return {k: np.array(v) for k, v in tree_flatten(drafter.parameters())}
 
 
-def single(tiny, out, drafter="init", **config):
-    root, model, records = tiny
-    return trainer.train(model, load_drafter(str(root / drafter)), records, out,
+def single(tiny, out, drafter="init", records=None, **config):
+    root, model, every = tiny
+    return trainer.train(model, load_drafter(str(root / drafter)), records or every, out,
                          trainer.TrainConfig(**{**CONFIG, **config}))
 
 
@@ -176,11 +176,21 @@ def test_a_dying_rank_ends_the_other_and_the_run_resumes(tiny, tmp_path):
     assert results[0].returncode not in (0, None), results[0].stderr[-3000:]  # ended by itself
     assert "another rank ended" in results[0].stderr
     assert (tmp_path / "c" / "step-000002").is_dir() and not (tmp_path / "c" / "final").exists()
-    results, lines = run_ranks(tiny, tmp_path, [{"out": str(tmp_path / "c"), "config": cfg},
-                                                {"out": str(tmp_path / "d"), "config": cfg}])
+    # With the rerun, a micro-batch whose share on one rank has no block (a sequence
+    # with no prompt and a 2-token response has no anchor): that rank adds nothing.
+    records = tiny[2] + [{"id": 99, "prompt_ids": [], "response_ids": tiny[2][0]["response_ids"][:2]}]
+    with open(tmp_path / "more.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    pairs = {**CONFIG, "batch_size": 2}
+    results, lines = run_ranks(tiny, tmp_path, [
+        {"out": str(tmp_path / "c"), "config": cfg}, {"out": str(tmp_path / "d"), "config": cfg},
+        {"out": str(tmp_path / "k"), "config": pairs, "data": str(tmp_path / "more.jsonl")}])
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     assert lines[0][0]["digest"] == lines[0][1]["digest"] == lines[1][0]["digest"]
+    assert lines[0][2]["digest"] == lines[1][2]["digest"]
+    assert_close(params(load_drafter(str(tmp_path / "k" / "final"))),
+                 params(single(tiny, tmp_path / "one-k", records=records, **pairs)))
     state = json.loads((tmp_path / "c/final/training_state/state.json").read_text())["state"]
     assert [h["step"] for h in state["history"]] == [1, 2, 3, 4]
     assert_close(params(load_drafter(str(tmp_path / "c" / "final"))),
