@@ -4,7 +4,7 @@
 Argument: a JSON object {"target": path or null (the built-in pair), "draft": path or null,
 "runs": [{"prompt", "max_tokens", "block_size", "temp", "seed", "lookup"}, ...]}.  Every rank
 prints one JSON line per run: the rank, its tokens, and the collectives the run issued
-(all_sum / all_gather shapes), then a line with the layers it holds.
+(all_sum / all_gather shapes), then a line with the layers it holds and the memory its weights take once loaded.
 """
 
 import json
@@ -52,14 +52,21 @@ def load_split(target, draft, group):
         draft = draft or shipped
     model, tokenizer = mlx_lm.load(target, lazy=True)
     drafter = load_drafter(draft, target=model)
+    whole = nbytes(model)
     pipeline.split(model, group)
     mx.eval(model.parameters())
-    return model, tokenizer, drafter
+    memory = {"whole_bytes": whole, "rank_bytes": nbytes(model), "drafter_bytes": nbytes(drafter),
+              "active_bytes": mx.get_active_memory()}
+    return model, tokenizer, drafter, memory
+
+
+def nbytes(module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
 def main(cfg: dict):
     group = mx.distributed.init(strict=True)
-    model, tokenizer, drafter = load_split(cfg.get("target"), cfg.get("draft"), group)
+    model, tokenizer, drafter, memory = load_split(cfg.get("target"), cfg.get("draft"), group)
     stage = pipeline.stage_of(model)
     for run in cfg["runs"]:
         shapes = Shapes()
@@ -75,7 +82,7 @@ def main(cfg: dict):
     layers = sorted({int(k.split(".")[k.split(".").index("layers") + 1])
                      for k, _ in tree_flatten(model.parameters()) if ".layers." in f".{k}"})
     print(json.dumps({"rank": group.rank(), "start": stage.start, "stop": stage.stop,
-                      "param_layers": len(layers), "hidden": drafter.config.hidden_size}), flush=True)
+                      "param_layers": len(layers), **memory}), flush=True)
 
 
 if __name__ == "__main__":

@@ -66,8 +66,11 @@ def check_ranks(lines, runs, expected, hidden, depth):
     ranges = sorted((ls[-1]["start"], ls[-1]["stop"]) for ls in lines)
     assert ranges[0][0] == 0 and ranges[-1][1] == depth
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    for ls in lines:  # a rank holds the weights of its own layers only
-        assert ls[-1]["param_layers"] == ls[-1]["stop"] - ls[-1]["start"]
+    for ls in lines:  # a rank holds the weights of its own layers only, and read no others
+        held = ls[-1]
+        assert held["param_layers"] == held["stop"] - held["start"]
+        assert held["rank_bytes"] < held["whole_bytes"]
+        assert held["active_bytes"] <= held["rank_bytes"] + held["drafter_bytes"] + 2**20
 
 
 @pytest.fixture(scope="module")
