@@ -219,7 +219,7 @@ def _add_generate(app, pool):
             c = await until_disconnect(request, collect(chunks), engine, rid)
         out = {**generate_line(name, c.text, c.logprobs if body.logprobs else None), **closing(c, clock.durations())}
         if not body.raw:  # as Ollama: a raw prompt returns no context
-            out["context"] = await engine.off_loop(_context, engine, ids, c)
+            out["context"] = await engine.off_loop(_context, engine, ids, c.text, c)
         return out
 
 
@@ -237,12 +237,12 @@ def _prompt_ids(engine, body: GenerateRequest) -> list:
     return engine.encode(body.context) + ids
 
 
-def _context(engine, ids, c) -> list:
-    """The conversation so far as token ids: the prompt's, then the reply's (its text
-    tokenized again) and the end of sequence that closed it."""
-    reply = list(engine.tokenizer.encode(c.text, add_special_tokens=False)) if c.text else []
+def _context(engine, ids, text: str, last) -> list:
+    """The conversation so far as token ids: the prompt's, then the reply's (its ``text``
+    tokenized again) and the end of sequence that closed it (``last``: its last chunk)."""
+    reply = list(engine.tokenizer.encode(text, add_special_tokens=False)) if text else []
     eos = engine.tokenizer.eos_token_id
-    ended = c.finish_reason == "stop" and c.stop_sequence is None and eos is not None
+    ended = last.finish_reason == "stop" and last.stop_sequence is None and eos is not None
     return list(ids) + reply + ([eos] if ended else [])
 
 
@@ -257,8 +257,7 @@ async def _generate_lines(name, chunks, clock, body: GenerateRequest, engine, id
         return
     out = {**generate_line(name, ""), **closing(last, clock.durations())}
     if not body.raw:
-        last.text = "".join(text)
-        out["context"] = await engine.off_loop(_context, engine, ids, last)
+        out["context"] = await engine.off_loop(_context, engine, ids, "".join(text), last)
     yield _line(out)
 
 
