@@ -4,7 +4,8 @@
 Argument: a JSON object {"target": path or null (the built-in pair), "draft": path or null,
 "runs": [{"prompt", "max_tokens", "block_size", "temp", "seed", "lookup"}, ...]}.  Every rank
 prints one JSON line per run: the rank, its tokens, and the collectives the run issued
-(all_sum / all_gather shapes), then a line with the layers it holds and the memory its weights take once loaded.
+(all_sum / all_gather shapes), then a line with the layers it holds and the memory its
+weights take once loaded.
 """
 
 import json
@@ -12,12 +13,10 @@ import sys
 from collections import defaultdict
 
 import mlx.core as mx
-import mlx_lm
 from mlx.utils import tree_flatten
 
 from dflash2_mlx.distributed import pipeline
-from dflash2_mlx.generate import stream_generate
-from dflash2_mlx.model.checkpoint import load_drafter
+from dflash2_mlx.generate import load, stream_generate
 
 
 class Shapes:
@@ -42,20 +41,12 @@ class Shapes:
             setattr(mx.distributed, op, fn)
 
 
-def load_split(target, draft, group):
-    """The pair with the target split over ``group``: loaded lazily, the drafter checked
-    against the whole target, then split, then only this rank's weights evaluated."""
-    if target is None:
-        from dflash2_mlx.builtin.defaults import default_pair
-
-        target, shipped = default_pair()
-        draft = draft or shipped
-    model, tokenizer = mlx_lm.load(target, lazy=True)
-    drafter = load_drafter(draft, target=model)
-    whole = nbytes(model)
-    pipeline.split(model, group)
-    mx.eval(model.parameters())
-    memory = {"whole_bytes": whole, "rank_bytes": nbytes(model), "drafter_bytes": nbytes(drafter),
+def load_split(target, draft):
+    """The pair through the public entry point (``load(..., distributed="pipeline")``: the
+    target loaded lazily, checked against the drafter whole, split, then only this rank's
+    weights evaluated), and the memory its weights take once loaded."""
+    model, tokenizer, drafter = load(target, draft, distributed="pipeline")
+    memory = {"rank_bytes": nbytes(model), "drafter_bytes": nbytes(drafter),
               "active_bytes": mx.get_active_memory()}
     return model, tokenizer, drafter, memory
 
@@ -65,9 +56,9 @@ def nbytes(module) -> int:
 
 
 def main(cfg: dict):
-    group = mx.distributed.init(strict=True)
-    model, tokenizer, drafter, memory = load_split(cfg.get("target"), cfg.get("draft"), group)
+    model, tokenizer, drafter, memory = load_split(cfg.get("target"), cfg.get("draft"))
     stage = pipeline.stage_of(model)
+    group = stage.group
     for run in cfg["runs"]:
         shapes = Shapes()
         shapes.install()
