@@ -155,10 +155,13 @@ def split(model, group) -> Stage:
     template = make_prompt_cache(model)  # the whole target's caches (empty): their kinds
     start, stop = layer_ranges(depth, size)[rank]
     if hasattr(inner, "pipeline"):
+        if size != mx.distributed.init().size():
+            raise ValueError("mlx-lm's pipelined models exchange over the whole world group: "
+                             f"a group of {size} of {mx.distributed.init().size()} ranks cannot be used")
         inner.pipeline(group)
-        if (inner.start_idx, inner.end_idx) != (start, stop):
-            raise ValueError(f"mlx-lm split rank {rank} as layers {inner.start_idx}..{inner.end_idx}, "
-                             f"expected {start}..{stop}")
+        if (inner.start_idx, inner.end_idx) != (start, stop) or len(model.layers) != stop - start:
+            raise ValueError(f"mlx-lm split rank {rank} as layers {inner.start_idx}..{inner.end_idx} "
+                             f"({len(model.layers)} held), expected {start}..{stop}")
     else:
         inner.layers = inner.layers[start:stop]
         inner.__class__ = staged(type(inner))
