@@ -284,6 +284,16 @@ def part_names(version: int, distill: bool) -> List[str]:
             + (["selector_ce", "in_topk"] if version == 2 else []))
 
 
+def loss_weights(version: int, selector_weight: float, distill_weight: float) -> dict:
+    """The weight of each metric in the total loss (``loss_parts``'s second value)."""
+    weights = {"ce": 1.0}
+    if distill_weight:
+        weights["kl"] = distill_weight
+    if version == 2:
+        weights["selector_ce"] = selector_weight
+    return weights
+
+
 def loss_parts(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_weight: float = 0.0):
     """({metric: (sum, count)}, {metric: weight in the total loss}) of a batch of blocks:
     every metric is a sum over rows divided by a count (or a weight sum), kept apart so
@@ -301,11 +311,10 @@ def loss_parts(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_we
     parts = {"ce": ((_ce(logits, mx.maximum(column, 0)) * w).sum(), w.sum()),
              "top1": (right.sum(), blocks.valid.sum()),
              "top1_pos1": (right[:, 0].sum(), blocks.valid[:, 0].sum())}
-    weights = {"ce": 1.0}
-    if blocks.teacher is not None and distill_weight:
+    distill = blocks.teacher is not None and distill_weight
+    if distill:
         wk = position_weights(B)[None, :] * blocks.valid  # every label, in the vocabulary or not
         parts["kl"] = ((distill_kl(blocks.teacher, logits) * wk).sum(), wk.sum())
-        weights["kl"] = distill_weight
     if drafter.version == 2:
         cand, rows = selector_rows(drafter, logits, hidden, blocks.labels, blocks.block_ids[:, 0])
         hit = cand == blocks.labels[..., None]
@@ -313,8 +322,7 @@ def loss_parts(drafter, blocks: Blocks, selector_weight: float = 1.0, distill_we
         idx = mx.argmax(hit, axis=-1)
         parts["selector_ce"] = ((_ce(rows, idx) * inside).sum(), inside.sum())
         parts["in_topk"] = ((hit.any(axis=-1) * blocks.valid).sum(), blocks.valid.sum())
-        weights["selector_ce"] = selector_weight
-    return parts, weights
+    return parts, loss_weights(drafter.version, selector_weight, distill_weight if distill else 0.0)
 
 
 def combine(parts, weights, reduce=None, scale: float = 1.0):

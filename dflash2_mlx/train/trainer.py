@@ -271,12 +271,13 @@ class Step:
             *objective.loss_parts(self.drafter, b, cfg.selector_weight, cfg.distill),
             reduce=ranks.reduce(), scale=ranks.size))
         self.names = objective.part_names(self.drafter.version, bool(cfg.distill))
+        self.weights = objective.loss_weights(self.drafter.version, cfg.selector_weight, cfg.distill)
 
     def empty_share(self):
         """A rank whose share of the micro-batch has no block: no gradient of its own, and
         the same all_sum of the sums and counts as every other rank."""
         zero = mx.array(0.0)
-        _, metrics = objective.combine({k: (zero, zero) for k in self.names}, {"ce": 1.0},
+        _, metrics = objective.combine({k: (zero, zero) for k in self.names}, self.weights,
                                        reduce=self.ranks.reduce())
         return metrics, tree_map(mx.zeros_like, self.drafter.trainable_parameters())
 
