@@ -27,7 +27,8 @@ KEY = "ollama-test-key"
 N = 8  # tokens a reply may have in these tests
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 # SmolLM2's template, after the tools (when there are some) as a system message; an
-# assistant's tool calls as <tool_call>{...}</tool_call> lines, a tool's result as a "tool" turn.
+# assistant's tool calls as <tool_call>{...}</tool_call> lines (arguments text or an object), a tool's
+# result as a "tool" turn.
 TOOL_TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\\nYou call tools by writing <tool_call>{\"name\": ..., "
     "\"arguments\": ...}</tool_call>. Tools:\\n' }}"
@@ -37,7 +38,8 @@ TOOL_TEMPLATE = (
     "{%- endif %}"
     "{{ '<|im_start|>' + message.role + '\\n' + message.content }}"
     "{%- for call in message.tool_calls or [] %}{{ '<tool_call>\\n{\"name\": \"' + call.function.name "
-    "+ '\", \"arguments\": ' + call.function.arguments + '}\\n</tool_call>' }}{%- endfor %}"
+    "+ '\", \"arguments\": ' + (call.function.arguments if call.function.arguments is string "
+    "else call.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}"
     "{{ '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"

@@ -575,3 +575,24 @@ def test_reply_cut_inside_an_emoji_is_the_same_streaming_or_not(tmp_path):
         assert all_four_replies(base, cut + 1) == [whole] * 4
     finally:
         stop_server(proc)
+
+
+def test_tool_call_arguments_reach_the_template_as_objects():
+    """As mlx_lm.server does: JSON-text arguments become the object (a template's tojson
+    then writes them once); text that is not JSON stays; the request's messages are untouched."""
+    import jinja2
+
+    from dflash2_mlx.backend.tool_calls import template_messages
+
+    sent = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}}]}]
+    out = template_messages(sent)
+    calls = out[1]["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"x": 1} and calls[1]["function"]["arguments"] == "not json"
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}' and out[0] is sent[0]
+    env = jinja2.Environment()
+    env.filters["tojson"] = json.dumps
+    rendered = env.from_string("{{ m.tool_calls[0].function.arguments | tojson }}").render(m=out[1])
+    assert rendered == '{"x": 1}'

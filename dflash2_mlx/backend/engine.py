@@ -42,6 +42,7 @@ from .settings import ModelSettings, first_set
 from .solo import solo_job
 from .ssd_cache import DiskTier, default_ssd_cache_dir, pair_dir
 from .stats import EngineStats
+from .tool_calls import template_messages
 from .wire import Chunk, Completion, EngineError, InvalidOption, PromptTooLong, QueueFull, collect
 from .worker import worker as default_worker
 
@@ -200,11 +201,13 @@ class Engine:
         ``chat_template_kwargs``: the request's template variables (e.g.
         ``{"enable_thinking": False}``), over the model's and the engine's
         (``ModelSettings.template_variables``); ``prefill``: the start of the assistant's
-        reply, which the reply continues (``generate.chat_ids``)."""
+        reply, which the reply continues (``generate.chat_ids``).  Tool-call arguments reach the
+        template as objects (``tool_calls.template_messages``)."""
         self._check_running()
         variables = self.settings.template_variables(chat_template_kwargs, self.chat_template_args)
         try:
-            return chat_ids(self.tokenizer, messages, prefill, tools=tools, template_kwargs=variables)
+            return chat_ids(self.tokenizer, template_messages(messages), prefill, tools=tools,
+                            template_kwargs=variables)
         except TemplateVariableError as e:
             raise InvalidOption("chat_template_kwargs", str(e)) from None
 

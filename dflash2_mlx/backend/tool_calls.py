@@ -69,3 +69,28 @@ class ToolCallSplitter:
                                  "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)},
                 })
         return out
+
+
+def template_messages(messages: List[dict]) -> List[dict]:
+    """Messages as chat templates read them: an assistant's tool-call ``arguments`` sent as
+    JSON text (OpenAI's wire form) become the object they encode, as mlx_lm.server and
+    transformers' templates expect (a template that writes ``arguments | tojson`` would
+    otherwise quote the text again).  Text that is not JSON stays text."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append(m)
+            continue
+        fixed = []
+        for c in calls:
+            function = c.get("function") if isinstance(c, dict) else None
+            args = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(args, str):
+                try:
+                    c = {**c, "function": {**function, "arguments": json.loads(args)}}
+                except json.JSONDecodeError:
+                    pass
+            fixed.append(c)
+        out.append({**m, "tool_calls": fixed})
+    return out
