@@ -82,6 +82,7 @@ def generate(
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, help="Bound the target's KV cache to this many tokens (a rotating cache), as mlx_lm.generate does; plain decoding only (--verify-mode off)."),
     prompt_cache_file: Optional[Path] = typer.Option(None, "--prompt-cache-file", help="A prompt cache saved by mlx_lm.cache_prompt: the prompt continues after its tokens, as in mlx_lm.generate (the model defaults to the one that made it)."),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line after the text."),
+    distributed: Optional[str] = typer.Option(None, "--distributed", help="Split the target over the mx.distributed ranks this runs as (under mlx.launch): 'tensor' (mlx-lm's shard: heads and MLP split over the ranks) or 'pipeline' (layer ranges). Rank 0 prints; every rank needs the same model files."),
 ):
     """Generate text with DFlash speculative decoding, streaming it, then a stats line."""
     from dflash2_mlx import stream_generate
@@ -91,8 +92,11 @@ def generate(
     if (prompt is None) == (messages_file is None):
         raise typer.BadParameter("give exactly one of --prompt or --messages-file")
     prompt = typed_prompt(prompt)
-    last = None
+    last, shown = None, True  # shown: this rank prints the text (rank 0 of a split target)
     try:
+        if distributed is not None and prompt_cache_file is not None:
+            raise ValueError("--prompt-cache-file goes without --distributed: a saved cache holds the whole target's "
+                             "keys and values, a split target's rank only its share")
         block_size = block_size_of(block_size, num_draft_tokens)
         template_kwargs = template_config(chat_template_config)
         if messages_file is not None:
@@ -102,7 +106,8 @@ def generate(
         target, tokenizer, drafter, cache = load_pair(
             model, draft, prompt_cache_file, kv_bits, kv_group_size, extra_eos_token, max_kv_size,
             verify_mode, draft_bits=draft_bits, draft_group_size=draft_group_size,
-            draft_activation_bits=draft_activation_bits, adapter_path=adapter_path)
+            draft_activation_bits=draft_activation_bits, adapter_path=adapter_path, distributed=distributed)
+        shown = distributed is None or rank_of(target) == 0
         prompt = prompt_ids(tokenizer, prompt, system_prompt, prefill_response, template_kwargs,
                             ignore_chat_template, after_cache=prompt_cache_file is not None)
         for last in stream_generate(
@@ -113,14 +118,32 @@ def generate(
                 verify_mode=verify_mode, seed=seed, draft_window=draft_window, draft_sink=draft_sink, lookup=copies,
                 prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
                 quantized_kv_start=quantized_kv_start, prompt_cache=cache):
-            typer.echo(last.text, nl=False)
+            if shown:
+                typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:
-        typer.echo(("\n" if last is not None else "") + f"error: {e}", err=True)
+        typer.echo(("\n" if last is not None and shown else "") + f"error: {e}", err=True)
         raise typer.Exit(2)
+    except RuntimeError as e:
+        if distributed is None:
+            raise
+        from ..distributed import failure_message
+
+        typer.echo(("\n" if last is not None and shown else "") + f"error: {failure_message(e)}", err=True)
+        raise typer.Exit(1)
+    if not shown:
+        return
     typer.echo()
     sys.stdout.flush()
     if verbose and last is not None:
         typer.echo(stats_line(last), err=True)
+
+
+def rank_of(target) -> int:
+    """This process's rank in the group ``target`` is split over (0 for a whole one)."""
+    from ..distributed import group_of
+
+    group = group_of(target)
+    return group.rank() if group is not None else 0
 
 
 def typed_prompt(prompt: Optional[str]) -> Optional[str]:

@@ -3,13 +3,14 @@
 
     python tests/dist_ranks.py --mode tensor [--target DIR --draft DIR] [--prompt P ...]
         [--block-sizes 2,5,8,auto] [--temps 0,0.8] [--seed 3] [--lookup on,off]
-        [--max-tokens 24] [--die-rank 1 --die-after 5]
+        [--chat] [--max-tokens 24] [--die-rank 1 --die-after 5] [--rank-draft 1:DIR]
 
 Without ``--target`` it loads the built-in pair.  It loads with ``load(..., distributed=mode)``
 and generates once per prompt x block size x temperature x lookup setting; rank 0 prints one
 JSON line per generation ({"prompt", "block_size", "temp", "seed", "lookup", "tokens",
 "ranks"}).  ``--die-rank R --die-after N``: rank R leaves (``os._exit``) once it has N tokens
-of its first generation, as a crashed host would.  Errors end the rank non-zero with the
+of its first generation, as a crashed host would.  ``--rank-draft R:DIR``: rank R alone loads
+another drafter (ranks that do not hold the same files).  Errors end the rank non-zero with the
 message on stderr (``distributed.failure_message``).
 """
 
@@ -25,6 +26,7 @@ def parse(argv):
     ap.add_argument("--target")
     ap.add_argument("--draft")
     ap.add_argument("--prompt", action="append")
+    ap.add_argument("--chat", action="store_true", help="each prompt is a user message (chat template)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--block-sizes", default="auto")
     ap.add_argument("--temps", default="0")
@@ -32,11 +34,13 @@ def parse(argv):
     ap.add_argument("--lookup", default="on")
     ap.add_argument("--die-rank", type=int)
     ap.add_argument("--die-after", type=int, default=4)
+    ap.add_argument("--rank-draft", help="R:DIR: rank R loads the drafter in DIR instead")
     return ap.parse_args(argv)
 
 
 def runs(args):
     for prompt in args.prompt or ["The quick brown fox"]:
+        prompt = [{"role": "user", "content": prompt}] if args.chat else prompt
         for b in args.block_sizes.split(","):
             for temp in (float(t) for t in args.temps.split(",")):
                 for lookup in args.lookup.split(","):
@@ -50,8 +54,11 @@ def main(argv) -> int:
     from dflash2_mlx import distributed
     from dflash2_mlx.generate import load, stream_generate
 
+    draft = args.draft
+    if args.rank_draft and args.rank_draft.split(":", 1)[0] == os.environ.get("MLX_RANK"):
+        draft = args.rank_draft.split(":", 1)[1]
     try:
-        model, tokenizer, drafter = load(args.target, args.draft, distributed=args.mode)
+        model, tokenizer, drafter = load(args.target, draft, distributed=args.mode)
         group = distributed.group_of(model) or mx.distributed.init()
         rank = group.rank()
         for i, (prompt, b, temp, lookup) in enumerate(runs(args)):

@@ -77,14 +77,14 @@ def as_array(parts: Dict[str, bytes]) -> mx.array:
 
 def differences(every: List[List[int]]) -> List[str]:
     """What differs between the ranks' digests (``every[r]``: rank r's words), per part:
-    e.g. "drafter weights: ranks 1 differ from rank 0"."""
+    e.g. "drafter weights: rank 1 differs from rank 0"."""
     out = []
     for i, part in enumerate(PARTS):
         cut = slice(i * DIGEST_WORDS, (i + 1) * DIGEST_WORDS)
         others = [r for r in range(1, len(every)) if every[r][cut] != every[0][cut]]
         if others:
-            out.append(f"{part}: rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} "
-                       "differ from rank 0")
+            ranks = f"ranks {', '.join(map(str, others))} differ" if len(others) > 1 else f"rank {others[0]} differs"
+            out.append(f"{part}: {ranks} from rank 0")
     return out
 
 
@@ -98,5 +98,5 @@ def check(group, target: Path, draft: Optional[Path] = None):
     diff = differences(every)
     if diff:
         raise FingerprintMismatch(
-            f"rank {group.rank()}: the ranks do not hold the same model files ({'; '.join(diff)}); "
+            f"the ranks do not hold the same model files ({'; '.join(diff)}); "
             "every rank needs the same target and drafter")
