@@ -184,7 +184,7 @@ def test_cli_generate_distributed_tensor(tiny_pair):
     """``dflash2-mlx generate --distributed tensor`` as mlx.launch runs it: rank 0 prints the
     one-process text, rank 1 nothing."""
     target, draft = tiny_pair
-    argv = [sys.executable, "-m", "dflash2_mlx.cli", "generate", "--model", str(target), "--draft", str(draft),
+    argv = [str(Path(sys.executable).parent / "dflash2-mlx"), "generate", "--model", str(target), "--draft", str(draft),
             "--prompt", PROMPT, "--ignore-chat-template", "--max-tokens", "16", "--block-size", "4",
             "--distributed", "tensor"]
     results = launch(2, argv, timeout=240, grace=20, cwd=str(ROOT))
