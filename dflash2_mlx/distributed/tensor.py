@@ -76,7 +76,7 @@ def check(model, size: int):
 
 def shard(model, group) -> TensorSplit:
     """Shard ``model`` in place over ``group`` (mlx-lm's ``shard``); lazily loaded weights
-    stay lazy, so evaluating the parameters afterwards reads only this rank's slices."""
+    stay lazy, so evaluating the parameters afterwards keeps only this rank's slices."""
     check(model, group.size())
     owner = model if hasattr(model, "shard") else text_model(model)
     owner.shard(group)
