@@ -14,18 +14,22 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from dflash2_mlx.backend.responses import OutputBuilder
+from dflash2_mlx.backend.tool_calls import template_messages
 from dflash2_mlx.backend.wire import Chunk
 from dflash2_mlx.builtin.defaults import default_pair
-from dflash2_mlx.generate import chat_ids
+from dflash2_mlx.generate import chat_ids, load
 from helpers import greedy_ids, metrics, start_server, stop_server, wait_idle
 from tiny_models import on_worker, worker_reference
 
 MODEL = "smol"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 # SmolLM2's template, plus: the tools in the system message, an assistant's tool calls as
-# <tool_call>{...}</tool_call>, a tool's result as a "tool" message.
+# <tool_call>{...}</tool_call> (the arguments reach templates as objects), a tool's result
+# as a "tool" message.
 TOOL_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if loop.first %}"
@@ -43,8 +47,8 @@ TOOL_TEMPLATE = (
     "{%- else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
     "{%- for call in message.get('tool_calls') or [] %}"
-    "{{ '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
-    "+ call['function']['arguments'] + '}</tool_call>' }}"
+    "{{ '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- call['function']['arguments'] | tojson }}{{ '}</tool_call>' }}"
     "{%- endfor %}"
     "{{ '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -55,7 +59,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Get the we
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 QUESTION = "Why is the sky blue?"
 HELLO = "Say hello in one short sentence."
-NO_EOS = {"2": -100}  # SmolLM2's <|im_end|>: keeps a generation going
+NO_EOS = {"2": -100}
+STREAM_EVENT = TypeAdapter(ResponseStreamEvent)  # SmolLM2's <|im_end|>: keeps a generation going
 
 
 def tool_variant(src, dst):
@@ -90,12 +95,10 @@ def client(server):
 def reference(server):
     """generate() of the served pair (its template renders tools) on chat messages."""
     generate = worker_reference(server["served"], server["drafter"])
-    from dflash2_mlx import load
-
     _, tokenizer, _ = on_worker(load, str(server["served"]))
 
     def ref(messages, tools=None, **kw):
-        return generate(on_worker(chat_ids, tokenizer, messages, None, tools), **kw)
+        return generate(on_worker(chat_ids, tokenizer, template_messages(messages), None, tools), **kw)
 
     return ref
 
@@ -202,6 +205,32 @@ def test_stream_cut_by_max_output_tokens_ends_incomplete(client):
     assert last.response.output[0].status == "incomplete" and last.response.usage.output_tokens == 12
 
 
+def sse_frames(lines) -> list:
+    """(event line's type, data) of each frame of a stream."""
+    frames, kind = [], None
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            frames.append((kind, json.loads(line.removeprefix("data: "))))
+    return frames
+
+
+def test_bodies_and_events_validate_as_the_sdk_s_types(server):
+    """Checked strictly (the SDK itself builds its objects without validating): every field
+    the SDK's Response and ResponseStreamEvent types need is there, of its type."""
+    body = {"model": MODEL, "input": HELLO, "max_output_tokens": 8, "tools": [WEATHER], "metadata": {"a": "b"}}
+    r = httpx.post(server["base"] + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    Response.model_validate(r.json())
+    with httpx.stream("POST", server["base"] + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        frames = sse_frames(r.iter_lines())
+    events = [STREAM_EVENT.validate_python(data) for _, data in frames]
+    assert all(kind == data["type"] for kind, data in frames) and events[-1].type == "response.incomplete"
+    Response.model_validate(frames[-1][1]["response"])
+
+
 def weather_example(city, n, weather) -> list:
     """One worked exchange: the question, the call, its output, the answer."""
     call = {"type": "function_call", "call_id": f"call_{n}", "name": "get_weather",
@@ -257,6 +286,7 @@ def test_function_call_round_trip(client):
     assert json.loads(call.arguments) == {"city": "Paris"} and call.id.startswith("fc_") and call.call_id
     assert first.status == "completed" and first.output_text == ""
     assert first.tools[0].name == "get_weather" and first.tool_choice == "auto"
+    Response.model_validate(first.to_dict())  # strictly, as the server sent it
     assert [o.type for o in answer.output] == ["message"] and answer.previous_response_id == first.id
     assert "cloudy" in answer.output_text and "Paris" in answer.output_text
 
@@ -282,6 +312,8 @@ def test_function_call_streamed(client):
     [call] = final.output
     assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
     assert events[-2].item.arguments == call.arguments
+    for event in events:
+        STREAM_EVENT.validate_python(event.to_dict())
 
 
 @pytest.mark.slow

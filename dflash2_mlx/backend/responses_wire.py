@@ -270,8 +270,10 @@ def template_messages(items: List[dict], instructions: Optional[str] = None) -> 
 
 def usage(c) -> dict:
     """The Responses API's usage of a reply (its last chunk), the prefix cache's tokens as
-    cached_tokens."""
-    return {"input_tokens": c.prompt_tokens, "input_tokens_details": {"cached_tokens": c.cached_tokens},
+    cached_tokens. cache_write_tokens is 0: the prefix cache keeps prompts as its budget
+    allows, with no write a request asks for (OpenAI's counts explicit cache writes)."""
+    details = {"cached_tokens": c.cached_tokens, "cache_write_tokens": 0}
+    return {"input_tokens": c.prompt_tokens, "input_tokens_details": details,
             "output_tokens": c.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": c.prompt_tokens + c.completion_tokens}
 
