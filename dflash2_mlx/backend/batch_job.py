@@ -235,6 +235,12 @@ class Batching:
         self.engine.stats.batch_step(len(joined))
         for r in gen.next():
             j = joined[r.uid]
+            if r.error is not None:  # its own sampling raised: it fails, the batch goes on
+                log.error("request failed in the batch: %r", r.error)
+                j.finish = "error"
+                j.push(r.error)
+                self._done(joined.pop(r.uid))  # it has left the batch, its caches unkept
+                continue
             j.tokens.append(r.token)
             j.last = r
             if j.finish:  # tokens of a cycle past a stop string: in the cache, not the reply

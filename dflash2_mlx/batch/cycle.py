@@ -42,32 +42,60 @@ class BatchCycle:
         verify = mx.array([s.anchor for s in seqs], dtype=mx.int32)[:, None]
         copies = self.copies(seqs, b)
         drafts, qs = [None] * len(seqs), [None] * len(seqs)
+        failed = {}  # index -> what its own draws or processors raised: it alone ends
         if b > 1:
-            drafts, qs = self.draft(seqs, b, copies)
+            drafts, qs = self.draft(seqs, b, copies, failed)
             verify = mx.concatenate([verify, mx.stack(drafts)], axis=1)
         # Verify: one target pass over every sequence's block.
         saved = self.batch.snapshot()
         logits, features = self.batch.forward(self.target, verify)
-        rows, verdicts = [], []
-        for i, s in enumerate(seqs):
-            rows.append(processed_logprobs(logits[i], s.history, verify[i], s.processors))
-            with s.stream:
-                verdicts.append(verify_lazy(rows[i], drafts[i], qs[i], s.params))
-        # Accept: one evaluation for the whole batch, then each sequence's prefix on the host.
-        mx.eval(verdicts, verify)
-        accepted, tokens = zip(*(accept(ok.tolist(), cand.tolist()) for ok, cand in verdicts))
-        kept = [a + 1 for a in accepted]
+        rows, verdicts = self.verdicts(seqs, logits, verify, drafts, qs, failed)
+        accepted, tokens = zip(*(accept(ok.tolist(), cand.tolist()) if i not in failed else (0, s.anchor)
+                                 for i, (s, (ok, cand)) in enumerate(zip(seqs, verdicts))))
+        kept = [a + 1 for a in accepted]  # a failed sequence keeps its anchor's row until it leaves
         if saved is not None and min(kept) < b:
             self.batch.replay(self.target, saved, verify, kept)
         self.batch.rows.commit(kept)
         self.batch.compact()
-        self.record(seqs, b, accepted, copies)
+        good = [i for i in range(len(seqs)) if i not in failed]
+        self.record([seqs[i] for i in good], b, [accepted[i] for i in good], [copies[i] for i in good])
         self.time(costs, b, context, not all(copies), seqs, tic)
         out = []
         for i, (s, ids) in enumerate(zip(seqs, verify.tolist())):
+            if i in failed:
+                out += s.fail(failed[i])
+                continue
             s.stats.record(b, accepted[i], self.policy.fallback, bool(copies[i]))
             out += s.commit(ids, verify[i], features[i : i + 1], accepted[i], tokens[i], rows[i])
         return out
+
+    def verdicts(self, seqs: List[BatchSequence], logits, verify, drafts, qs, failed: dict):
+        """Each sequence's processed rows and lazy verdicts, evaluated once for the whole
+        batch; a sequence whose processors or draws raise goes into ``failed`` (its verdicts
+        a placeholder), found by evaluating one at a time when the batch's evaluation raises."""
+        rows, verdicts = [], []
+        empty = (mx.zeros((0,), dtype=mx.bool_), mx.zeros((1,), dtype=mx.int32))
+        for i, s in enumerate(seqs):
+            rows.append(None)
+            verdicts.append(empty)
+            if i in failed:
+                continue
+            try:
+                rows[i] = processed_logprobs(logits[i], s.history, verify[i], s.processors)
+                with s.stream:
+                    verdicts[i] = verify_lazy(rows[i], drafts[i], qs[i], s.params)
+            except Exception as e:
+                failed[i] = e
+        try:
+            mx.eval(verdicts, verify)
+        except Exception:
+            for i in range(len(seqs)):
+                try:
+                    mx.eval(verdicts[i])
+                except Exception as e:
+                    failed[i] = e
+            mx.eval(verify)
+        return rows, verdicts
 
     def copies(self, seqs: List[BatchSequence], b: int) -> List[Optional[List[int]]]:
         """Each sequence's copy for a block of ``b`` (None: it drafts).  A copy is taken where
@@ -85,10 +113,11 @@ class BatchCycle:
             out.append(copy or None)
         return out
 
-    def draft(self, seqs: List[BatchSequence], b: int, copies: List[Optional[List[int]]]):
+    def draft(self, seqs: List[BatchSequence], b: int, copies: List[Optional[List[int]]], failed: dict):
         """Each sequence's b - 1 draft tokens and the rows q they were drawn from (None when
         greedy): its copy (one-hot rows), or what ``propose`` picks from one drafter pass
-        over every block, drawn from its own stream."""
+        over every block, drawn from its own stream.  One whose draw raises goes into
+        ``failed`` with a placeholder draft (its anchor repeated)."""
         mask = self.drafter.config.mask_token_id
         blocks = mx.array([[s.anchor] + [mask] * (b - 1) for s in seqs])
         hidden = self.hidden(seqs, blocks) if not all(copies) else None
@@ -98,8 +127,13 @@ class BatchCycle:
                 draft = mx.array(copies[i], dtype=mx.int32)
                 q = None if s.params.greedy else one_hot_rows(draft, self.drafter.config.vocab_size)
             else:
-                with s.stream:
-                    draft, q = propose(self.drafter, hidden[i : i + 1], mx.array(s.anchor), s.params)
+                try:
+                    with s.stream:
+                        draft, q = propose(self.drafter, hidden[i : i + 1], mx.array(s.anchor), s.params)
+                        mx.eval(draft)  # a draw that raises does so here, its own failure
+                except Exception as e:
+                    failed[i] = e
+                    draft, q = mx.full((b - 1,), s.anchor, dtype=mx.int32), None
             drafts.append(draft.astype(mx.int32))
             qs.append(q)
         return drafts, qs

@@ -128,7 +128,10 @@ class BatchGenerator:
                 s.start(self.drafter, self.draft_window, self.draft_sink, self.policy.largest)
             batch, last = prefill(self.target, self.batch.kinds, seqs, self.prefill_step_size)
             for s, logits in zip(seqs, last):
-                out += s.first_token(logits, copies_largest)
+                try:  # one sequence's sampling that raises ends that sequence only
+                    out += s.first_token(logits, copies_largest)
+                except Exception as e:
+                    out += s.fail(e)
             self.batch.extend(batch)
             self.active += seqs
         return out

@@ -17,7 +17,8 @@ from ..loop.sampling import SamplingParams, processed_logprobs, sample
 @dataclass
 class Response:
     """One emitted token of one sequence; the last one has ``finish_reason`` set
-    ("stop": a stop token, emitted here too; "length": max_tokens)."""
+    ("stop": a stop token, emitted here too; "length": max_tokens; "error": its own
+    sampling or logits processors raised ``error``, and ``token`` is no token)."""
     uid: int
     token: int
     logprobs: mx.array
@@ -26,6 +27,7 @@ class Response:
     stats: CycleStats
     cache: Optional[list] = None  # with return_caches: the finished sequence's target cache
     context: Optional[DraftContext] = None  # ... and its draft context
+    error: Optional[Exception] = None  # finish_reason "error": what raised
 
 
 @dataclass
@@ -94,3 +96,9 @@ class BatchSequence:
             if self.finish:
                 break
         return out
+
+    def fail(self, error: Exception) -> List[Response]:
+        """Its own draws or processors raised: it ends alone (the rest of the batch goes on)."""
+        self.finish = "error"
+        self.last = Response(self.uid, -1, None, False, "error", self.stats, error=error)
+        return [self.last]
