@@ -2,13 +2,15 @@
 ranks (tensor or pipeline), side by side in one run, and what crosses the wire.
 
 The ranks run on this machine over the ring backend (``distributed.local``); every rank
-generates the same prompts, plain and then with DFlash, at T=0.  Every collective the
+generates the same prompts, plain and then with DFlash, at T=0; then one process does the
+same (the tokens the split must reproduce, and the compute the link model starts from).  Every collective the
 target, the drafter and the loop issue goes through ``mx.distributed``'s functions, which
 are counted while the graph is built: calls, and the bytes each rank puts on the wire (the
 ring's all_sum sends 2 (N-1)/N of the array, all_gather (N-1)/N of its output, send all of
 it).  Per run: tokens/s, calls and bytes per generated token, and the time a rank spends in
 communication, estimated from a loopback micro-benchmark of the same collectives at the
-same sizes measured in the same run.  The ranks share this machine's cores, so their speed
+same sizes in the same run (decode steps only: each prompt's prefill and first token are
+counted apart).  The ranks share this machine's cores, so their speed
 is not a split target's: the ratios and the traffic are what carry over, and ``model``
 turns them into the speed-up on a real link (a latency and a bandwidth; see ``LINKS``).
 
@@ -96,64 +98,108 @@ def loopback_costs(group, shapes: List[tuple], repeats: int = 20) -> Dict[str, f
     return out
 
 
+def bench_prompts(cfg: dict) -> List[str]:
+    from ..builtin.bench_sets import default_bench_files
+    from .prompts import sample_prompts
+
+    prompts = [p for ps in sample_prompts(default_bench_files(), cfg["samples"], cfg["seed"]).values() for p in ps]
+    return prompts[: cfg["prompts"]] if cfg.get("prompts") else prompts
+
+
+def decode(model, tokenizer, drafter, prompts: List[str], cfg: dict, traffic: Optional[Traffic] = None) -> dict:
+    """Generate every prompt (T=0); decode tokens, decode seconds (after each first token),
+    texts, mean τ, and with ``traffic`` the collectives of the decode steps alone (each
+    prompt's prefill and first token are counted apart)."""
+    from ..generate import stream_generate
+
+    tokens, seconds, texts, taus = 0, 0.0, [], []
+    decode_calls, decode_bytes, decode_shapes = defaultdict(int), defaultdict(float), defaultdict(int)
+    for p in prompts:
+        pieces, at_first = [], None
+        if traffic is not None:
+            traffic.reset()
+        for r in stream_generate(model, tokenizer, [{"role": "user", "content": p}], drafter,
+                                 max_tokens=cfg["max_tokens"], block_size=cfg.get("block_size") or "auto"):
+            pieces.append(r.text)
+            if at_first is None and traffic is not None:
+                at_first = traffic.snapshot()
+        tokens += r.generation_tokens - 1
+        seconds += (r.generation_tokens / r.generation_tps) if r.generation_tps else 0.0
+        texts.append("".join(pieces))
+        taus.append(r.tau)
+        if traffic is not None:
+            now = traffic.snapshot()
+            for op, n in now["calls"].items():
+                decode_calls[op] += n - at_first["calls"].get(op, 0)
+            for op, b in now["bytes"].items():
+                decode_bytes[op] += b - at_first["bytes"].get(op, 0.0)
+            first = {(op, nb): c for op, nb, c in at_first["shapes"]}
+            for op, nb, c in now["shapes"]:
+                decode_shapes[(op, nb)] += c - first.get((op, nb), 0)
+    return {"tokens": tokens, "seconds": seconds, "texts": texts, "tau": sum(taus) / len(taus) if taus else 0.0,
+            "calls": dict(decode_calls), "bytes": dict(decode_bytes),
+            "shapes": [[op, nb, c] for (op, nb), c in decode_shapes.items() if c]}
+
+
 def rank_run(cfg: dict) -> Optional[dict]:
     """One rank's part: load the split pair, generate plain and DFlash, count the traffic."""
-    from ..generate import load, stream_generate
-    from .prompts import sample_prompts
-    from ..builtin.bench_sets import default_bench_files
+    from ..generate import load
 
     group = mx.distributed.init(strict=True)
     model, tokenizer, drafter = load(cfg.get("model"), cfg.get("draft"), distributed=cfg["mode"], group=group)
-    prompts = [p for ps in sample_prompts(default_bench_files(), cfg["samples"], cfg["seed"]).values() for p in ps]
-    if cfg.get("prompts"):
-        prompts = prompts[: cfg["prompts"]]
+    prompts = bench_prompts(cfg)
     traffic = Traffic(group.size())
-    runs = {}
-    for name, use_drafter in (("warm-up", True), ("plain", False), ("dflash", True)):
-        traffic.reset()
-        traffic.install()
-        tokens, texts, tic, taus = 0, [], time.perf_counter(), []
-        try:
-            for p in (prompts[:1] if name == "warm-up" else prompts):
-                last, pieces = None, []
-                for last in stream_generate(model, tokenizer, [{"role": "user", "content": p}],
-                                            drafter if use_drafter else None, max_tokens=cfg["max_tokens"],
-                                            block_size=cfg.get("block_size") or "auto"):
-                    pieces.append(last.text)
-                tokens += last.generation_tokens
-                texts.append("".join(pieces))
-                taus.append(last.tau)
-        finally:
-            traffic.uninstall()
-        runs[name] = {"tokens": tokens, "seconds": time.perf_counter() - tic, **traffic.snapshot(),
-                      "tau": sum(taus) / len(taus) if taus else 0.0, "texts": texts}
-    del runs["warm-up"]
-    shapes = [s for r in runs.values() for s in r["shapes"]]
-    costs = loopback_costs(group, sorted({(op, nb) for op, nb, _ in shapes}))
+    traffic.install()
+    try:
+        decode(model, tokenizer, drafter, prompts[:1], cfg)  # compile, allocate, calibrate
+        runs = {"plain": decode(model, tokenizer, None, prompts, cfg, traffic),
+                "dflash": decode(model, tokenizer, drafter, prompts, cfg, traffic)}
+    finally:
+        traffic.uninstall()
+    costs = loopback_costs(group, sorted({(op, nb) for r in runs.values() for op, nb, _ in r["shapes"]}))
     for r in runs.values():
         r["comm_s"] = sum(costs[f"{op}:{nb}"] * c for op, nb, c in r["shapes"])
-    return {"rank": group.rank(), "size": group.size(), "runs": runs} if group.rank() == 0 else None
+    return {"rank": group.rank(), "size": group.size(), "runs": runs}
 
 
-def summarize(rank0: dict, mode: str) -> dict:
-    """Per run: tok/s, calls and bytes per token, communication time; and the ratios."""
-    rows = {}
+def single_process(cfg: dict) -> dict:
+    """The same prompts on one process: the compute the link model starts from, and the
+    tokens the split target must reproduce."""
+    from ..generate import load
+
+    model, tokenizer, drafter = load(cfg.get("model"), cfg.get("draft"))
+    prompts = bench_prompts(cfg)
+    decode(model, tokenizer, drafter, prompts[:1], cfg)
+    return {"plain": decode(model, tokenizer, None, prompts, cfg),
+            "dflash": decode(model, tokenizer, drafter, prompts, cfg)}
+
+
+def summarize(ranks: List[dict], one: dict, mode: str) -> dict:
+    """Per run: decode tok/s split (rank 0's) and on one process, collectives, bytes and
+    communication time per decode token of the busiest rank (ranks differ in a pipeline);
+    the T=0 texts against one process; the link model."""
+    rank0 = next(r for r in ranks if r["rank"] == 0)
+    rows, n = {}, rank0["size"]
     for name, r in rank0["runs"].items():
         t = max(1, r["tokens"])
-        calls, sent = sum(r["calls"].values()), sum(r["bytes"].values())
+        solo = one[name]
+        busiest = max((x["runs"][name] for x in ranks), key=lambda x: sum(x["bytes"].values()))
+        r = {**r, "calls": max((x["runs"][name]["calls"] for x in ranks), key=lambda c: sum(c.values())),
+             "bytes": busiest["bytes"], "comm_s": max(x["runs"][name]["comm_s"] for x in ranks)}
         rows[name] = {"tokens": r["tokens"], "tok_s": r["tokens"] / r["seconds"] if r["seconds"] else 0.0,
-                      "calls_per_token": calls / t, "bytes_per_token": sent / t,
-                      "comm_s_per_token": r["comm_s"] / t, "compute_s_per_token": max(0.0, r["seconds"] - r["comm_s"]) / t,
-                      "tau": r["tau"], "calls": r["calls"]}
-    runs = rank0["runs"]
-    same = sum(a == b for a, b in zip(runs["plain"]["texts"], runs["dflash"]["texts"]))
-    return {"mode": mode, "ranks": rank0["size"], "runs": rows, "model": link_model(rows),
-            "same_text": same, "prompts": len(runs["plain"]["texts"])}
+                      "one_process_tok_s": solo["tokens"] / solo["seconds"] if solo["seconds"] else 0.0,
+                      "calls_per_token": sum(r["calls"].values()) / t, "bytes_per_token": sum(r["bytes"].values()) / t,
+                      "comm_s_per_token": r["comm_s"] / t, "tau": r["tau"], "calls": r["calls"],
+                      # A split's compute per token: tensor divides each layer over the ranks
+                      # (the ideal), pipeline runs its stages in turn (one machine's).
+                      "compute_s_per_token": solo["seconds"] / max(1, solo["tokens"]) / (n if mode == "tensor" else 1),
+                      "same_text_as_one_process": sum(a == b for a, b in zip(r["texts"], solo["texts"]))}
+    return {"mode": mode, "ranks": n, "runs": rows, "model": link_model(rows), "prompts": len(one["plain"]["texts"])}
 
 
 def link_model(rows: dict) -> dict:
-    """The DFlash speed-up over plain on each link in ``LINKS``: per token, the compute
-    measured here plus each collective's latency and its bytes over the bandwidth."""
+    """The DFlash speed-up over plain on each link in ``LINKS``: per token, the split's
+    compute plus each collective's latency and its bytes over the bandwidth."""
     out = {}
     for link, (latency, bandwidth) in LINKS.items():
         t = {name: r["compute_s_per_token"] + r["calls_per_token"] * latency + r["bytes_per_token"] / bandwidth
@@ -180,8 +226,11 @@ def run_distributed_bench(*, mode: str, ranks: int, model: Optional[str] = None,
     if failed:
         r = failed[0]
         raise RuntimeError(f"rank {r.rank} ended with {r.returncode}: {r.stderr[-1500:]}")
-    line = [ln for ln in results[0].stdout.splitlines() if ln.startswith("{")][-1]
-    return {"config": {**cfg, "ranks": ranks}, "machine": describe(), **summarize(json.loads(line), mode)}
+    lines = [[ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1] for r in results]
+    log("bench distributed: the same prompts on one process")
+    one = single_process(cfg)
+    return {"config": {**cfg, "ranks": ranks}, "machine": describe(),
+            **summarize([json.loads(ln) for ln in lines], one, mode)}
 
 
 def markdown(report: dict) -> str:
@@ -190,18 +239,22 @@ def markdown(report: dict) -> str:
              f"Model {cfg['model'] or 'built-in SmolLM2-135M-Instruct'}, {cfg['max_tokens']} tokens per prompt, T=0, "
              "ranks on one machine (127.0.0.1, ring backend): the traffic and the ratios carry over, the speed does not.",
              ""]
-    rows = [[name, r["tokens"], fmt(r["tok_s"], ".1f"), fmt(r["tau"]), fmt(r["calls_per_token"], ".1f"),
-             fmt(r["bytes_per_token"] / 1024, ".1f"), fmt(r["comm_s_per_token"] * 1e3, ".2f")]
+    rows = [[name, r["tokens"], fmt(r["tok_s"], ".1f"), fmt(r["one_process_tok_s"], ".1f"), fmt(r["tau"]),
+             fmt(r["calls_per_token"], ".1f"), fmt(r["bytes_per_token"] / 1024, ".1f"),
+             fmt(r["comm_s_per_token"] * 1e3, ".1f"), f"{r['same_text_as_one_process']}/{report['prompts']}"]
             for name, r in report["runs"].items()]
-    lines += table(["run", "tokens", "tok/s", "tau", "collectives / token", "KiB sent / token / rank",
-                    "comm ms / token (loopback)"], rows)
+    lines += table(["run", "decode tokens", "tok/s split", "tok/s one process", "tau", "collectives / token",
+                    "KiB sent / token (busiest rank)", "comm ms / token (loopback)", "T=0 text = one process"], rows)
     runs = report["runs"]
     if "plain" in runs and "dflash" in runs and runs["plain"]["tok_s"]:
-        lines += ["", f"DFlash / plain here: {runs['dflash']['tok_s'] / runs['plain']['tok_s']:.2f}x tok/s, "
-                  f"{runs['dflash']['calls_per_token'] / max(runs['plain']['calls_per_token'], 1e-9):.2f}x collectives "
-                  f"per token, {runs['dflash']['bytes_per_token'] / max(runs['plain']['bytes_per_token'], 1e-9):.2f}x bytes per token; "
-                  f"T=0 texts equal to plain on {report['same_text']}/{report['prompts']} prompts."]
-    lines += ["", "## Modelled on real links (assumed latency and bandwidth, compute as measured here)", ""]
+        lines += ["", f"DFlash / plain on the split target here: {runs['dflash']['tok_s'] / runs['plain']['tok_s']:.2f}x "
+                  f"tok/s, {runs['dflash']['calls_per_token'] / max(runs['plain']['calls_per_token'], 1e-9):.2f}x "
+                  f"collectives per token, {runs['dflash']['bytes_per_token'] / max(runs['plain']['bytes_per_token'], 1e-9):.2f}x "
+                  "bytes per token (decode steps only; each prompt's prefill and first token apart)."]
+    lines += ["", "## Modelled on real links", "",
+              "Per token: the split's compute (one process's decode time here; tensor: divided by the ranks, the "
+              "ideal split; pipeline: not divided) + collectives x the link's latency + bytes / its bandwidth. "
+              "Latency and bandwidth are assumed, not measured.", ""]
     lines += table(["link", "latency us", "GB/s", "plain ms / token", "DFlash ms / token", "speed-up"],
                    [[link, fmt(LINKS[link][0] * 1e6, ".0f"), fmt(LINKS[link][1] / 1e9, ".1f"),
                      fmt((m["plain_s_per_token"] or 0) * 1e3), fmt((m["dflash_s_per_token"] or 0) * 1e3),
@@ -217,9 +270,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="One rank of `dflash2-mlx bench distributed`.")
     parser.add_argument("--rank-run", required=True, help="the run's settings as JSON")
     args = parser.parse_args(argv)
-    out = rank_run(json.loads(args.rank_run))
-    if out is not None:
-        print(json.dumps(out), flush=True)
+    print(json.dumps(rank_run(json.loads(args.rank_run))), flush=True)
 
 
 if __name__ == "__main__":
