@@ -47,6 +47,8 @@ def serve(
     chat_template_args: Optional[str] = typer.Option(
         None, "--chat-template-args", help="Chat-template variables for every chat request as a JSON object, e.g. '{\"enable_thinking\": false}' (a model's settings and a request's chat_template_kwargs override them)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+    distributed: Optional[str] = typer.Option(
+        None, "--distributed", help="Split the target over mx.distributed ranks (run under mlx.launch): tensor or pipeline. Rank 0 serves HTTP, the others follow it; ONE request at a time in this mode (max_batch 1, one model loaded)."),
 ):
     """Serve models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     from dflash2_mlx.backend.pool import EnginePool
@@ -80,6 +82,12 @@ def serve(
         template_args = template_config(chat_template_args, "--chat-template-args")
     except ValueError as e:
         raise typer.BadParameter(str(e).removeprefix("--chat-template-args: "), param_hint="--chat-template-args")
+    lockstep = None
+    if distributed is not None:
+        from dflash2_mlx.distributed.follow import distributed_setup
+
+        lockstep, max_batch, max_models = distributed_setup(distributed)
+        ssd_cache_dir = (ssd_cache_dir or Path.home() / ".cache/dflash2_mlx/ssd-cache") / f"rank{lockstep.rank}"
     overrides = {m: {"dflash_enabled": True, "dflash_draft_model": draft} for m in models} if draft else {}
     pool = EnginePool(SettingsStore(settings), model_dir=model_dir, models=models, overrides=overrides,
                       max_models=max(max_models, 1), memory_budget_gb=memory_budget,
@@ -93,7 +101,21 @@ def serve(
     except (SettingsError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+    if lockstep is not None and lockstep.rank != 0:
+        from dflash2_mlx.backend.engine import Engine
+        from dflash2_mlx.distributed.follow import follow
+
+        def make_engine(model_id, path, model_settings):
+            return Engine(path, model_settings, model_id=model_id, max_queue=queue_size,
+                          default_max_tokens=max_tokens, prefix_cache_gb=prefix_cache_gb, max_batch=1,
+                          chat_template_args=template_args, ssd_cache_dir=pool.ssd_cache_dir)
+
+        raise typer.Exit(follow(lockstep, make_engine))
     typer.echo(f"dflash2-mlx: serving {', '.join(pool.model_ids()) or '(no models yet)'} "
                f"at http://{host}:{port}/v1 (settings: {pool.store.path})", err=True)
     run(pool, host=host, port=port, preload=list(models) if preload else (), log_level=log_level,
         api_key=api_key or None)
+    if lockstep is not None:
+        from dflash2_mlx.backend.worker import worker
+
+        lockstep.finish(worker())

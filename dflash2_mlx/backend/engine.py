@@ -32,6 +32,7 @@ from typing import AsyncIterator, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..distributed import follow
 from ..generate import TemplateVariableError, chat_ids, check_block_size, load
 from ..model.checkpoint import resolve
 from .admission import Admission, Request, in_event_loop
@@ -87,6 +88,7 @@ class Engine:
         self._pair_dir: Optional[Path] = None  # this pair's disk-tier directory (set at load)
         self.update_settings(self.settings)  # sizes the prefix cache
         self._stopping = False
+        self.lockstep = follow.current()  # a distributed server's rank (None: one process)
 
     # Lifecycle ------------------------------------------------------------------------
     @property
@@ -103,7 +105,10 @@ class Engine:
         self.admission.last_used = value
 
     def max_running(self) -> int:
-        """Requests that run at once: the settings' max_batch, else the engine's."""
+        """Requests that run at once: the settings' max_batch, else the engine's (1 when
+        distributed: the followers run each request in lockstep, one at a time)."""
+        if self.lockstep is not None:
+            return 1
         return max(1, first_set(self.settings.max_batch, self.max_batch))
 
     def update_settings(self, settings: ModelSettings):
@@ -140,8 +145,11 @@ class Engine:
     def _load(self):
         target_dir = resolve(self.model_path)
         draft_dir = resolve(self.settings.draft) if self.settings.draft else None
-        model, tokenizer, drafter = load(str(target_dir), draft_dir and str(draft_dir),
-                                         **self.settings.load_kwargs())
+        kwargs = self.settings.load_kwargs()
+        if self.lockstep is not None:
+            self.lockstep.loading(self)
+            kwargs.update(self.lockstep.load_kwargs())
+        model, tokenizer, drafter = load(str(target_dir), draft_dir and str(draft_dir), **kwargs)
         if drafter is not None and self.settings.dflash_block_size is not None:
             check_block_size(drafter, self.settings.dflash_block_size)
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
@@ -159,6 +167,8 @@ class Engine:
         await asyncio.wrap_future(self.worker.submit(self._free))
 
     def _free(self):
+        if self.lockstep is not None and self.model is not None:
+            self.lockstep.freeing(self)
         self.model = self.drafter = None
         self.prefix_cache.close()  # to the disk tier, if there is one
         self.prefix_cache.disk, self._pair_dir = None, None

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..distributed import follow
 from . import anthropic, ollama, responses
 from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
 from .pool import EnginePool, UnknownModel
@@ -114,6 +115,10 @@ def _add_status_routes(app: FastAPI, pool: EnginePool, api_key: Optional[str]):
         problem = pool.settings_problem()
         out = {"status": "degraded" if problem else "ok", "loaded_models": list(pool.engines),
                "active_requests": pool.has_active_requests()}
+        lockstep = follow.current()
+        if lockstep is not None:  # a distributed server: whether every rank is still there
+            out["distributed"] = lockstep.health()
+            out["status"] = out["status"] if lockstep.lost is None else "error"
         if problem and api_key and not key_matches(request.headers, api_key):
             # The settings file's path and its parse error are the operator's to see.
             out["problem"] = "the settings file cannot be used; serving with the last good settings"

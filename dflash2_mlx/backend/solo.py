@@ -92,6 +92,8 @@ class SoloStream:
         self.began = time.perf_counter()
         gen = None
         try:  # everything that can fail inside: a failure must still end the request (below)
+            if e.lockstep is not None:  # the other ranks run it too (distributed/follow.py)
+                e.lockstep.announce(e, request)
             gen = self._generator()
             if gen is not None:
                 yield from self._relay(gen)
@@ -158,7 +160,10 @@ class SoloStream:
             if self.finish:
                 break
             yield
-            if request.aborted.is_set():
+            stop = request.aborted.is_set()
+            if e.lockstep is not None:  # rank 0's word, on every rank
+                stop = e.lockstep.stop_here(stop)
+            if stop:
                 self.finish = "abort"
                 push(Chunk(finish_reason="abort", prompt_tokens=self.n_prompt, completion_tokens=self.n,
                            cached_tokens=self.start.reused, engine=self.decoding))
