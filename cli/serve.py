@@ -115,7 +115,3 @@ def serve(
                f"at http://{host}:{port}/v1 (settings: {pool.store.path})", err=True)
     run(pool, host=host, port=port, preload=list(models) if preload else (), log_level=log_level,
         api_key=api_key or None)
-    if lockstep is not None:
-        from dflash2_mlx.backend.worker import worker
-
-        lockstep.finish(worker())

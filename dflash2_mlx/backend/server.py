@@ -30,6 +30,7 @@ from .pool import EnginePool, UnknownModel
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_response,
                        completion_response, new_id, validation_error)
 from .settings import SettingsError
+from .worker import worker as default_worker
 from .sse import chat_events, completion_events, sse_response
 from .wire import collect
 
@@ -61,6 +62,9 @@ def _lifespan(pool: EnginePool, preload):
         yield
         reaper.cancel()
         await pool.stop()
+        lockstep = follow.current()
+        if lockstep is not None and lockstep.rank == 0:  # here: uvicorn re-raises SIGTERM after this
+            await asyncio.wrap_future(default_worker().submit(lockstep.finish))
 
     return lifespan
 

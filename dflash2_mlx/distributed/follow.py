@@ -101,8 +101,10 @@ class Leader(Lockstep):
                        "settings": engine.settings.to_dict()})
 
     def freeing(self, engine):
-        if not self.lost:
+        try:  # a follower already gone must not stop rank 0 from freeing its own part
             self.exchange({"op": "free", "model": engine.model_id})
+        except RankLost as e:
+            log.error("%s", e)
 
     def announce(self, engine, request):
         g = request.generation
@@ -113,10 +115,14 @@ class Leader(Lockstep):
                        "options": asdict(request.options), "tools": request.tools, "chat": request.chat,
                        "settings": engine.settings.to_dict()})
 
-    def finish(self, worker):
-        """The followers stop (the server is done)."""
-        if not self.lost:
-            worker.submit(self.exchange, {"op": "stop"}).result(timeout=60)
+    def finish(self) -> bool:
+        """The followers stop (the server is done; on the worker, after the models are freed)."""
+        try:
+            self.exchange({"op": "stop"})
+            return True
+        except RankLost as e:
+            log.error("%s", e)
+            return False
 
 
 class Follower(Lockstep):
