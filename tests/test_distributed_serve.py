@@ -33,7 +33,7 @@ def test_serve_two_ranks_in_lockstep(tmp_path):
             "--distributed", "tensor", "--port", str(port), "--preload", "--prefix-cache-gb", "0.1"]
     out = {}
     runner = threading.Thread(target=lambda: out.setdefault(
-        "ranks", local.launch(2, argv, timeout=240, env={"HOME": str(tmp_path)})))
+        "ranks", local.launch(2, argv, timeout=240, env={"HOME": str(tmp_path)})), daemon=True)
     runner.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
