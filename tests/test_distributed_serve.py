@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from dflash2_mlx.distributed import local
 from dflash2_mlx.generate import chat_ids, load, stream_generate
@@ -73,3 +74,44 @@ def _rank0_pid(port: int) -> int:
     """The process listening on ``port`` (rank 0)."""
     out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
     return int(out.split("pid=")[1].split(",")[0])
+
+
+@pytest.mark.slow
+def test_a_lost_follower_gives_503_not_a_hang(tmp_path):
+    """The follower killed while rank 0 serves: the next request ends with a clear error
+    (503) in bounded time, /health says the group is lost, and rank 0 still stops on SIGTERM."""
+    t, d = tmp_path / "t", tmp_path / "d"
+    make_target(t)
+    make_drafter(d, t)
+    port = local.free_ports(1)[0]
+    argv = [sys.executable, "-m", "dflash2_mlx.cli.main", "serve", "-m", f"tiny={t}", "-d", str(d),
+            "--distributed", "tensor", "--port", str(port), "--preload", "--prefix-cache-gb", "0"]
+    out = {}
+    runner = threading.Thread(target=lambda: out.setdefault(
+        "ranks", local.launch(2, argv, timeout=240, grace=120, env={"HOME": str(tmp_path)})), daemon=True)
+    runner.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        assert runner.is_alive(), out
+        try:
+            httpx.get(f"{base}/health", timeout=1)
+            break
+        except httpx.TransportError:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.3)
+    body = {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 8, "temperature": 0}
+    assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).status_code == 200
+    rank0 = _rank0_pid(port)
+    pids = [int(p) for p in subprocess.run(["pgrep", "-f", "--", f"--port {port} "], capture_output=True,
+                                            text=True).stdout.split()]
+    follower = [p for p in pids if p != rank0]
+    assert len(follower) == 1, pids
+    os.kill(follower[0], signal.SIGKILL)
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 503, r.text
+    health = httpx.get(f"{base}/health", timeout=10).json()
+    assert health["status"] == "error" and health["distributed"]["ok"] is False, health
+    os.kill(rank0, signal.SIGTERM)
+    runner.join(150)
+    assert not runner.is_alive()
