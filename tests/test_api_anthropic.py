@@ -158,6 +158,7 @@ def test_stream_events_in_order(server, client):
     assert events[0].message.content == [] and events[0].message.stop_reason is None
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == whole.content[0].text
     assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 10
+    assert events[-2].model_extra["dflash"]["cycles"] > 0  # the draft statistics, in an extra field
     with client.messages.stream(**kw) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()

@@ -16,7 +16,7 @@ from .anthropic_wire import (CountRequest, MessagesRequest, error_body, message,
                              stop_fields, tool_use_block, usage)
 from .http import engine_for, error_shape, mapped_errors, parse, until_disconnect
 from .pool import EnginePool
-from .protocol import APIError
+from .protocol import APIError, dflash_stats
 from .sse import framed_response
 from .wire import collect
 
@@ -63,7 +63,7 @@ def error_frame(e: APIError) -> str:
 async def events(mid: str, body: MessagesRequest, chunks):
     """The engine's chunks as Anthropic's stream: message_start (once the first chunk tells
     the prompt's cached tokens), a ping, each content block's start, deltas and stop,
-    message_delta (stop reason, usage) and message_stop."""
+    message_delta (stop reason, usage, the draft statistics) and message_stop."""
     blocks, last = Blocks(), None
     async for chunk in chunks:
         if last is None:
@@ -76,7 +76,9 @@ async def events(mid: str, body: MessagesRequest, chunks):
         raise APIError(500, "the reply ended before it began", type="server_error")
     for event in blocks.close(empty_text=True):
         yield frame(event)
-    yield frame({"type": "message_delta", "delta": stop_fields(last), "usage": usage(last)})
+    # The draft statistics ride in message_delta's namespaced extra field (clients ignore it).
+    yield frame({"type": "message_delta", "delta": stop_fields(last), "usage": usage(last),
+                 "dflash": dflash_stats(last)})
     yield frame({"type": "message_stop"})
 
 
