@@ -19,6 +19,19 @@ def register(app: typer.Typer):
     app.add_typer(bench_app, name="bench")
 
 
+def report_of(run, markdown, write_report, out: Path):
+    """Run a benchmark (``run()``), print its markdown and write its report under ``out``;
+    a ValueError or RuntimeError (a bad setup, a server or a rank that failed) exits 2."""
+    try:
+        report = run()
+    except (ValueError, RuntimeError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    paths = write_report(report, out)
+    typer.echo(markdown(report))
+    typer.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+
+
 @bench_app.callback(invoke_without_command=True)
 def bench(
     ctx: typer.Context,
@@ -116,18 +129,11 @@ def serve(
         raise typer.BadParameter("--model needs --draft (the drafter both servers use)")
     if min(streams) < 1 or requests < 1 or max_tokens < 1 or max_batch < 2:
         raise typer.BadParameter("--streams, --requests and --max-tokens must be >= 1, --max-batch >= 2")
-    try:
-        report = run_serve_bench(model=model, draft=draft, streams=streams, requests=requests,
-                                 max_tokens=max_tokens, max_batch=max_batch,
-                                 baseline_streams=baseline_streams or None, temp=temp,
-                                 bench_files=bench_files, seed=seed, block_size=block_size,
-                                 work_dir=out, log=lambda s: typer.echo(s, err=True))
-    except (ValueError, RuntimeError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    paths = write_report(report, out)
-    typer.echo(markdown(report))
-    typer.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+    report_of(lambda: run_serve_bench(model=model, draft=draft, streams=streams, requests=requests,
+                             max_tokens=max_tokens, max_batch=max_batch,
+                             baseline_streams=baseline_streams or None, temp=temp,
+                             bench_files=bench_files, seed=seed, block_size=block_size,
+                             work_dir=out, log=lambda s: typer.echo(s, err=True)), markdown, write_report, out)
 
 
 @bench_app.command("agent")
@@ -150,16 +156,9 @@ def agent(
     unknown = [a for a in apis if a not in APIS]
     if unknown or max_tokens < 2 or any(n < 1 for n in result_tokens):
         raise typer.BadParameter(f"--api is one of {', '.join(APIS)}; --max-tokens >= 2; --result-tokens >= 1")
-    try:
-        report = run_agent_bench(model=model, draft=draft, apis=apis, max_tokens=max_tokens,
-                                 sizes=result_tokens or RESULT_TOKENS, mlx_lm=mlx_lm, work_dir=out,
-                                 log=lambda s: typer.echo(s, err=True))
-    except (ValueError, RuntimeError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    paths = write_report(report, out)
-    typer.echo(markdown(report))
-    typer.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+    report_of(lambda: run_agent_bench(model=model, draft=draft, apis=apis, max_tokens=max_tokens,
+                             sizes=result_tokens or RESULT_TOKENS, mlx_lm=mlx_lm, work_dir=out,
+                             log=lambda s: typer.echo(s, err=True)), markdown, write_report, out)
 
 
 @bench_app.command("distributed")
@@ -185,16 +184,9 @@ def distributed(
         raise typer.BadParameter("--ranks must be >= 2, --samples and --max-tokens >= 1")
     if model is not None and draft is None:
         raise typer.BadParameter("--model needs --draft")
-    try:
-        report = run_distributed_bench(mode=mode, ranks=ranks, model=model, draft=draft, samples=samples,
-                                       max_tokens=max_tokens, block_size=block_size, timeout=timeout,
-                                       log=lambda s: typer.echo(s, err=True))
-    except (ValueError, RuntimeError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    paths = write_report(report, out)
-    typer.echo(markdown(report))
-    typer.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+    report_of(lambda: run_distributed_bench(mode=mode, ranks=ranks, model=model, draft=draft, samples=samples,
+                                   max_tokens=max_tokens, block_size=block_size, timeout=timeout,
+                                   log=lambda s: typer.echo(s, err=True)), markdown, write_report, out)
 
 
 @bench_app.command("kernels")

@@ -25,27 +25,34 @@ def single_process(t, d, messages, n):
     return [r.text for r in stream_generate(model, tok, ids, drafter, max_tokens=n)]
 
 
-def test_serve_two_ranks_in_lockstep(tmp_path):
+def launch_serve(tmp_path, prefix_cache_gb: str, grace: float = 20.0):
+    """`serve --distributed tensor` on 2 ranks of a tiny pair, launched in a thread, once
+    rank 0's /health answers: (target, drafter, port, base URL, the thread, its results)."""
     t, d = tmp_path / "t", tmp_path / "d"
     make_target(t)
     make_drafter(d, t)
     port = local.free_ports(1)[0]
     argv = [sys.executable, "-m", "dflash2_mlx.cli.main", "serve", "-m", f"tiny={t}", "-d", str(d),
-            "--distributed", "tensor", "--port", str(port), "--preload", "--prefix-cache-gb", "0.1"]
+            "--distributed", "tensor", "--port", str(port), "--preload", "--prefix-cache-gb", prefix_cache_gb]
     out = {}
     runner = threading.Thread(target=lambda: out.setdefault(
-        "ranks", local.launch(2, argv, timeout=240, env={"HOME": str(tmp_path)})), daemon=True)
+        "ranks", local.launch(2, argv, timeout=240, grace=grace, env={"HOME": str(tmp_path)})), daemon=True)
     runner.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
         assert runner.is_alive(), out
         try:
-            health = httpx.get(f"{base}/health", timeout=1).json()
-            break
+            httpx.get(f"{base}/health", timeout=1)
+            return t, d, port, base, runner, out
         except httpx.TransportError:
             assert time.time() < deadline, "server did not start"
             time.sleep(0.3)
+
+
+def test_serve_two_ranks_in_lockstep(tmp_path):
+    t, d, port, base, runner, out = launch_serve(tmp_path, "0.1")
+    health = httpx.get(f"{base}/health", timeout=10).json()
     assert health["distributed"] == {"ranks": 2, "mode": "tensor", "ok": True}
 
     def chat(messages, **kw):
@@ -80,26 +87,7 @@ def _rank0_pid(port: int) -> int:
 def test_a_lost_follower_gives_503_not_a_hang(tmp_path):
     """The follower killed while rank 0 serves: the next request ends with a clear error
     (503) in bounded time, /health says the group is lost, and rank 0 still stops on SIGTERM."""
-    t, d = tmp_path / "t", tmp_path / "d"
-    make_target(t)
-    make_drafter(d, t)
-    port = local.free_ports(1)[0]
-    argv = [sys.executable, "-m", "dflash2_mlx.cli.main", "serve", "-m", f"tiny={t}", "-d", str(d),
-            "--distributed", "tensor", "--port", str(port), "--preload", "--prefix-cache-gb", "0"]
-    out = {}
-    runner = threading.Thread(target=lambda: out.setdefault(
-        "ranks", local.launch(2, argv, timeout=240, grace=120, env={"HOME": str(tmp_path)})), daemon=True)
-    runner.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert runner.is_alive(), out
-        try:
-            httpx.get(f"{base}/health", timeout=1)
-            break
-        except httpx.TransportError:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.3)
+    t, d, port, base, runner, out = launch_serve(tmp_path, "0", grace=120)
     body = {"model": "tiny", "messages": MESSAGES[0], "max_tokens": 8, "temperature": 0}
     assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).status_code == 200
     rank0 = _rank0_pid(port)

@@ -22,7 +22,6 @@ bench-agent.json and bench-agent.md.
 """
 
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from ..machine.identity import describe
-from .bench_serve import free_port, server
+from .bench_serve import free_port, server, serving
 from .report import fmt, table, write_report as write_files
 
 # httpx comes with the dev extra; it is imported where the clients run.
@@ -209,35 +208,10 @@ def run_session(base: str, api: str, model: str, results: List[dict], max_tokens
 @contextmanager
 def mlx_lm_server(target: str, log_path: Path, timeout: float = 600.0):
     """``mlx_lm.server`` on a free loopback port: its base URL."""
-    import httpx
-
     port = free_port()
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", target, "--host", "127.0.0.1",
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited: {log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"mlx_lm.server did not start in {timeout:.0f} s (log: {log_path})")
-            time.sleep(0.2)
+    command = [sys.executable, "-m", "mlx_lm.server", "--model", target, "--host", "127.0.0.1", "--port", str(port)]
+    with serving(command, port, log_path, "mlx_lm.server", timeout) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
 
 def run_agent_bench(*, model: Optional[str] = None, draft: Optional[str] = None, apis=APIS, max_tokens: int = 48,
                     sizes=RESULT_TOKENS, mlx_lm: bool = True, work_dir: Optional[Path] = None,

@@ -58,25 +58,33 @@ def serve_command() -> List[str]:
 @contextmanager
 def server(args: Sequence[str], log_path: Path, timeout: float = 600.0):
     """A ``dflash2-mlx serve ARGS`` process on a free loopback port, preloaded: its base URL."""
+    port = free_port()
+    with serving(serve_command() + ["serve", "--port", str(port), "--preload", *args], port, log_path,
+                 "the server", timeout) as base:
+        yield base
+
+
+@contextmanager
+def serving(command: Sequence[str], port: int, log_path: Path, name: str, timeout: float = 600.0):
+    """``command`` (an HTTP server on ``port``) until its /health answers 200: its base URL;
+    the process is stopped when the block ends."""
     import httpx
 
-    port = free_port()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(serve_command() + ["serve", "--port", str(port), "--preload", *args],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"{name} exited: {log_path.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError(f"the server did not start in {timeout:.0f} s (log: {log_path})")
+                raise RuntimeError(f"{name} did not start in {timeout:.0f} s (log: {log_path})")
             time.sleep(0.2)
         yield base
     finally:
