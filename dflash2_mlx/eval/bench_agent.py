@@ -193,7 +193,9 @@ def run_session(base: str, api: str, model: str, results: List[dict], max_tokens
     """The whole session through ``api``: one record per turn."""
     import httpx
 
-    header = f"Session: {label or api}."
+    # Named by its API only (mlx_lm.server's as OpenAI chat's): the plain and mlx-lm runs read
+    # the DFlash OpenAI-chat session's very prompts, while no two APIs share a cached prefix.
+    header = f"Session: {'openai-chat' if api == 'mlx-lm' else api}."
     replies, turns = [], []
     with httpx.Client(base_url=base, timeout=3600) as http:
         for t in range(len(results)):
