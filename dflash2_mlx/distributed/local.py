@@ -4,6 +4,7 @@ kept apart: what the tests and ``bench distributed`` use.  A rank that fails or 
 the run: the others get ``grace`` seconds to stop on their own (a dead neighbour must end
 them with an error), then they are killed."""
 
+import atexit
 import json
 import os
 import socket
@@ -12,6 +13,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
+
+
+_running: set = set()  # every rank process not yet waited for, killed if the caller exits first
+
+
+@atexit.register
+def _kill_running():
+    """A caller that exits mid-launch (a failed test whose launch ran in a daemon thread)
+    takes its ranks with it, rather than leaving them running."""
+    for p in list(_running):
+        if p.poll() is None:
+            p.kill()
 
 
 @dataclass
@@ -55,6 +68,7 @@ def launch(n: int, argv: Sequence[str], *, timeout: float, grace: float = 20.0,
             rank_env = {**os.environ, **(env or {}), "MLX_HOSTFILE": hostfile, "MLX_RANK": str(rank),
                         "MLX_WORLD_SIZE": str(n)}
             procs.append(subprocess.Popen(list(argv), stdout=out, stderr=err, env=rank_env, cwd=cwd))
+            _running.add(procs[-1])
             outs.append((out, err))
         deadline, ended_at = time.monotonic() + timeout, None
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -69,6 +83,7 @@ def launch(n: int, argv: Sequence[str], *, timeout: float, grace: float = 20.0,
             if codes[-1] is None:
                 p.kill()
                 p.wait()
+            _running.discard(p)
         results = []
         for rank, (out, err) in enumerate(outs):
             out.seek(0), err.seek(0)
