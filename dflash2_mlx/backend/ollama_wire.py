@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .options import MAX_TOP_LOGPROBS
-from .protocol import APIError, check_tools, dflash_stats
+from .protocol import APIError, check_stops, check_tools, dflash_stats
 
 # num_predict's "no limit" values (-1: infinite, -2: fill the context): both run until the
 # end of sequence or the context window.
@@ -73,9 +73,7 @@ class Options(_Strict):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
+        return check_stops(v)
 
     def engine_options(self) -> dict:
         """The engine's options (``RequestOptions``'s names) of those set; num_predict

@@ -13,6 +13,16 @@ from .options import OPTION_NAMES
 SAME_NAMED = tuple(n for n in OPTION_NAMES if n not in ("logprobs", "prompt_logprobs"))
 
 
+MAX_STOPS = 16
+
+
+def check_stops(v):
+    """A request's stop strings: at most MAX_STOPS (every API's stop field)."""
+    if isinstance(v, list) and len(v) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop strings")
+    return v
+
+
 class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
 
@@ -56,9 +66,7 @@ class _Request(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
+        return check_stops(v)
 
     @field_validator("logit_bias")
     @classmethod

@@ -10,7 +10,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
                       model_validator)
 from typing_extensions import Annotated
 
-from .protocol import dflash_stats
+from .protocol import check_stops, dflash_stats
 
 # What include may ask for that this server gives; the rest name things it never makes
 # (file search results, encrypted reasoning) and are ignored.
@@ -200,9 +200,7 @@ class ResponsesRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
+        return check_stops(v)
 
     @model_validator(mode="after")
     def _top_needs_include(self):
