@@ -177,14 +177,15 @@ def stop_server(proc):
         proc.wait()
 
 
-def metrics(server) -> dict:
-    return httpx.get(server["base"] + "/metrics").json()
+def metrics(server, headers=None, timeout=5.0) -> dict:
+    return httpx.get(server["base"] + "/metrics", headers=headers, timeout=timeout).json()
 
 
-def wait_idle(server, timeout=20.0) -> dict:
+def wait_idle(server, timeout=20.0, headers=None) -> dict:
+    """/metrics once no request is running (``headers``: the API key a server needs)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        m = metrics(server)
+        m = metrics(server, headers)
         if not m["active_requests"]:
             return m
         time.sleep(0.05)

@@ -8,7 +8,6 @@ calls (json_tools) and a few worked examples make it call the tool at T=0."""
 
 import json
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -22,6 +21,7 @@ from dflash2_mlx.backend.settings import SettingsStore
 from dflash2_mlx.backend.wire import Completion
 from dflash2_mlx.builtin.defaults import default_pair
 from dflash2_mlx.generate import chat_ids, load, stream_generate
+import helpers
 from helpers import start_server, stop_server
 from tiny_models import on_worker
 
@@ -291,17 +291,11 @@ def test_key_unknown_model_and_error_shapes(server, client):
 
 
 def metrics(server) -> dict:
-    return httpx.get(server["base"] + "/metrics", headers={"x-api-key": KEY}, timeout=10).json()
+    return helpers.metrics(server, {"x-api-key": KEY}, timeout=10)
 
 
 def idle(server, timeout=30.0) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        m = metrics(server)
-        if not m["active_requests"]:
-            return m
-        time.sleep(0.05)
-    raise AssertionError(f"generation did not stop: {m}")
+    return helpers.wait_idle(server, timeout, {"x-api-key": KEY})
 
 
 def test_disconnect_stops_generation(server):
