@@ -60,6 +60,12 @@ class Ranks:
             return grads
         return nn.average_gradients(grads, group=self.group)
 
+    def barrier(self):
+        """Return once every rank has reached this call: what rank 0 wrote before it is
+        on disk for any rank that reads the run directory after it."""
+        if self.distributed:
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self.group))
+
 
 def share_of(rank: int, size: int, n: int) -> Tuple[int, int]:
     """Rank ``rank``'s contiguous items of ``n`` over ``size`` ranks (n divisible by size)."""

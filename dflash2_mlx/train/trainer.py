@@ -366,5 +366,6 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
     state.rng = rng.bit_generator.state
     if ranks.main:
         save_checkpoint(drafter, optimizer, state, cfg, out_dir / "final")
+    ranks.barrier()  # a resume on any rank straight after this run finds "final"
     drafter.eval()
     return drafter
