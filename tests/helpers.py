@@ -2,6 +2,7 @@
 for sampling, plain / DFlash token runs, and a cache's state as arrays.  (The tiny models
 themselves are in ``tiny_models.py``, which is also a script.)"""
 
+from collections import defaultdict
 import signal
 import socket
 import subprocess
@@ -179,6 +180,12 @@ def stop_server(proc):
 
 def metrics(server, headers=None, timeout=5.0) -> dict:
     return httpx.get(server["base"] + "/metrics", headers=headers, timeout=timeout).json()
+
+
+def counters(m: dict, model: str) -> dict:
+    """``model``'s counters in /metrics body ``m``; zeros for a model not loaded yet (so a
+    test that compares before and after may run first)."""
+    return defaultdict(int, m["models"].get(model, {}))
 
 
 def wait_idle(server, timeout=20.0, headers=None) -> dict:

@@ -301,7 +301,7 @@ def idle(server, timeout=30.0) -> dict:
 def test_disconnect_stops_generation(server):
     body = {"model": MODEL, "max_tokens": 2000, "stream": True,
             "messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."}]}
-    before = metrics(server)["models"][MODEL]
+    before = helpers.counters(metrics(server), MODEL)
     with httpx.stream("POST", server["base"] + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(12)]

@@ -22,7 +22,7 @@ from dflash2_mlx.backend.tool_calls import template_messages
 from dflash2_mlx.backend.wire import Chunk
 from dflash2_mlx.builtin.defaults import default_pair
 from dflash2_mlx.generate import chat_ids, load
-from helpers import greedy_ids, metrics, start_server, stop_server, wait_idle
+from helpers import counters, greedy_ids, metrics, start_server, stop_server, wait_idle
 from tiny_models import on_worker, worker_reference
 
 MODEL = "smol"
@@ -382,7 +382,7 @@ def test_bad_fields_are_bad_requests_naming_them(client, fields, param, what):
 
 
 def test_disconnect_stops_generation(server):
-    before = metrics(server)["models"][MODEL]
+    before = counters(metrics(server), MODEL)
     body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 4000, "stream": True, "logit_bias": NO_EOS}
     with httpx.stream("POST", server["base"] + "/v1/responses", json=body, timeout=60) as r:
         assert r.status_code == 200

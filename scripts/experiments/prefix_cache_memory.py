@@ -65,7 +65,10 @@ def run(args, cache_gb: float) -> dict:
     proc = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
+        deadline = time.monotonic() + 600
         while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not come up (exit code {proc.poll()})")
             try:
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
                     break
