@@ -3,6 +3,7 @@ for sampling, plain / DFlash token runs, and a cache's state as arrays.  (The ti
 themselves are in ``tiny_models.py``, which is also a script.)"""
 
 from collections import defaultdict
+import json
 import signal
 import socket
 import subprocess
@@ -180,6 +181,19 @@ def stop_server(proc):
 
 def metrics(server, headers=None, timeout=5.0) -> dict:
     return httpx.get(server["base"] + "/metrics", headers=headers, timeout=timeout).json()
+
+
+def tool_variant(src: Path, dst: Path, template: str) -> Path:
+    """The model at ``src`` served from ``dst`` with chat template ``template`` and
+    mlx-lm's json_tools parser (the rest of its files linked, not copied)."""
+    dst.mkdir(parents=True)
+    for f in Path(src).iterdir():
+        if f.name != "tokenizer_config.json":
+            (dst / f.name).symlink_to(f)
+    config = json.loads((Path(src) / "tokenizer_config.json").read_text())
+    config.update(chat_template=template, tool_parser_type="json_tools")
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst
 
 
 def counters(m: dict, model: str) -> dict:

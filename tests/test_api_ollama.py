@@ -19,7 +19,7 @@ import pytest
 
 from dflash2_mlx.builtin.defaults import default_pair
 from dflash2_mlx.generate import chat_ids, load, stream_generate
-from helpers import plain_tokens, start_server, stop_server
+from helpers import plain_tokens, start_server, stop_server, tool_variant
 from tiny_models import on_worker
 
 MODEL = "smol"
@@ -51,23 +51,11 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def tool_variant(src: Path, dst: Path) -> Path:
-    """The model at ``src`` served from ``dst`` with TOOL_TEMPLATE and the json_tools parser."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name != "tokenizer_config.json":
-            (dst / f.name).symlink_to(f)
-    config = json.loads((src / "tokenizer_config.json").read_text())
-    config.update(chat_template=TOOL_TEMPLATE, tool_parser_type="json_tools")
-    (dst / "tokenizer_config.json").write_text(json.dumps(config))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("ollama")
     target, drafter = default_pair()
-    served = tool_variant(Path(target), root / MODEL)
+    served = tool_variant(Path(target), root / MODEL, TOOL_TEMPLATE)
     proc, base = start_server(root, ["--model", f"{MODEL}={served}", "--draft", drafter,
                                      "--settings", root / "model_settings.json", "--log-level", "warning"],
                               env={**os.environ, "DFLASH2_MLX_API_KEY": KEY})

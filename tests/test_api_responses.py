@@ -22,7 +22,7 @@ from dflash2_mlx.backend.tool_calls import template_messages
 from dflash2_mlx.backend.wire import Chunk
 from dflash2_mlx.builtin.defaults import default_pair
 from dflash2_mlx.generate import chat_ids, load
-from helpers import counters, greedy_ids, metrics, start_server, stop_server, wait_idle
+from helpers import counters, greedy_ids, metrics, start_server, stop_server, tool_variant, wait_idle
 from tiny_models import on_worker, worker_reference
 
 MODEL = "smol"
@@ -63,23 +63,11 @@ NO_EOS = {"2": -100}
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)  # SmolLM2's <|im_end|>: keeps a generation going
 
 
-def tool_variant(src, dst):
-    """The model at ``src`` served from ``dst`` with TOOL_TEMPLATE and the json_tools parser."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name != "tokenizer_config.json":
-            (dst / f.name).symlink_to(f)
-    config = json.loads((src / "tokenizer_config.json").read_text())
-    config.update(chat_template=TOOL_TEMPLATE, tool_parser_type="json_tools")
-    (dst / "tokenizer_config.json").write_text(json.dumps(config))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("responses")
     target, drafter = default_pair()
-    served = tool_variant(Path(target), root / MODEL)
+    served = tool_variant(Path(target), root / MODEL, TOOL_TEMPLATE)
     proc, base = start_server(root, ["--model", f"{MODEL}={served}", "--draft", drafter,
                                      "--settings", root / "model_settings.json", "--log-level", "warning"])
     yield {"base": base, "target": target, "drafter": drafter, "served": served, "root": root}
