@@ -179,7 +179,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     draft_window: Optional[int] = None, draft_sink: int = 0,
                     prompt_cache: Optional[list] = None, draft_context=None, cached_tokens: int = 0,
                     lookup: bool = True, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START):
+                    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, continues: bool = False):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
@@ -199,7 +199,9 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``: mlx-lm's KV cache quantization,
     applied where mlx-lm applies it.
     Sampling takes ``mlx_lm.sample_utils.make_sampler``'s arguments (XTC's special tokens:
-    none unless given, as there; mlx-lm's CLI and server give "\n" and the EOS tokens)."""
+    none unless given, as there; mlx-lm's CLI and server give "\n" and the EOS tokens).
+    ``continues``: the reply continues the prompt's last text (a prefilled reply), so its
+    first token keeps a leading space (``detokenizer_after``)."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if max_tokens == 0 or max_tokens < -1:
@@ -227,7 +229,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
     try:
-        yield from _responses(tokens, tokenizer, ids, limit, tic)
+        yield from _responses(tokens, tokenizer, ids, limit, tic, continues)
     finally:
         tokens.close()  # now, not when collected: a prompt_cache is settled before this returns
         adaptive.remember(policy)
@@ -294,9 +296,24 @@ def chat_context(prompt_cache: list, drafter: Drafter, window: Optional[int], si
     return context
 
 
-def _responses(tokens, tokenizer, ids, limit, tic):
+def detokenizer_after(tokenizer, ids: Sequence[int] = ()):
+    """A streaming detokenizer whose text goes on after token ids ``ids`` (none: a text of
+    its own).  mlx-lm's drop the leading space of a text's first token, right for a reply
+    that starts a message and wrong for one that continues a prefill ("The sky is" + " blue"):
+    fed the prompt's last token first, the reply's first token is not a text's first.  A
+    last token that leaves bytes pending (a lone space, part of a character) is not fed."""
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
+    if len(ids):
+        detokenizer.add_token(int(ids[-1]))
+        fed = detokenizer.last_segment
+        if not fed or not tokenizer.decode([int(ids[-1])]).endswith(fed):
+            detokenizer.reset()
+    return detokenizer
+
+
+def _responses(tokens, tokenizer, ids, limit, tic, continues: bool = False):
+    detokenizer = detokenizer_after(tokenizer, [ids[-1].item()] if continues else ())
     prompt_tps, n = 0.0, 0
     for n, (token, logprobs, from_draft, stats) in enumerate(tokens, start=1):
         if n == 1:

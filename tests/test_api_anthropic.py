@@ -220,8 +220,15 @@ def test_prefill_is_continued(client, pair):
     leaves it out), as generate() continues the same prefill."""
     messages = HELLO + [{"role": "assistant", "content": [{"type": "text", "text": "Hello! My name"}]}]
     r = client.messages.create(model=MODEL, max_tokens=8, messages=messages)
-    ids, text = greedy(pair, HELLO, 8, prefill="Hello! My name")
-    assert r.content[0].text == text and r.usage.output_tokens == len(ids)
+    ids, _ = greedy(pair, HELLO, 8, prefill="Hello! My name")
+    # the whole continuation: its first token's leading space too ("Hello! My name" + " is")
+    text = pair[1].decode(ids)
+    assert text.startswith(" ") and r.content[0].text == text and r.usage.output_tokens == len(ids)
+    with client.messages.stream(model=MODEL, max_tokens=8, messages=messages) as stream:
+        assert stream.get_final_message().content[0].text == text
+    with ThreadPoolExecutor(2) as pool:  # in the batch too
+        both = list(pool.map(lambda _: client.messages.create(model=MODEL, max_tokens=8, messages=messages), range(2)))
+    assert [m.content[0].text for m in both] == [text] * 2
     count = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
     assert count == len(chat_ids(pair[1], HELLO, "Hello! My name"))
 

@@ -73,12 +73,13 @@ class Request:
     """One request from its stream's making to its last chunk."""
 
     def __init__(self, request_id: str, ids: List[int], options: RequestOptions, tools=None,
-                 chat: bool = False):
+                 chat: bool = False, continues: bool = False):
         self.id = request_id
         self.ids = ids
         self.options = options
         self.tools = tools
         self.chat = chat
+        self.continues = continues  # its reply continues a prefill (generate.detokenizer_after)
         self.generation: Optional[Generation] = None  # what it runs with (set when its turn comes)
         self.aborted = threading.Event()
         self.finished = False

@@ -35,7 +35,8 @@ def add_routes(app: FastAPI, pool: EnginePool):
         mid, tools = new_message_id(), body.template_tools()
         with mapped_errors():
             ids = await engine.off_loop(engine.encode_chat, body.template_messages(), tools, None, body.prefill)
-            chunks = engine.stream_ids(ids, tools, chat=True, request_id=mid, **body.options())
+            chunks = engine.stream_ids(ids, tools, chat=True, request_id=mid, continues=body.prefill is not None,
+                                       **body.options())
             if body.stream:
                 return framed_response(events(mid, body, chunks), engine, mid, error_frame)
             c = await until_disconnect(request, collect(chunks), engine, mid)

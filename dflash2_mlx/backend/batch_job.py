@@ -16,6 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..batch import BatchGenerator, batch_policy
 from ..batch.cache import batch_layers
+from ..generate import detokenizer_after
 from ..loop.cycle import CycleStats
 from ..loop.target import UnsupportedTargetError, attach
 from .admission import DONE, Request
@@ -215,7 +216,8 @@ class Batching:
             return
         e.stats.move(active=1)
         j = Joined(request, push, start, Reply(e.tokenizer, request.options, request.tools, request.chat),
-                   e.tokenizer.detokenizer, s.engine(len(request.ids)))
+                   detokenizer_after(e.tokenizer, request.ids if request.continues else ()),
+                   s.engine(len(request.ids)))
         j.ids = ids
         if carry is not None:
             j.carry(carry)

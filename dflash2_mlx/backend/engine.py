@@ -257,16 +257,17 @@ class Engine:
         return self._stream(self.encode_chat(messages, tools, chat_template_kwargs), params, request_id, tools, True)
 
     def stream_ids(self, ids: List[int], tools: Optional[List[dict]] = None, *, chat: bool = False,
-                   request_id: Optional[str] = None, **params) -> AsyncIterator[Chunk]:
+                   request_id: Optional[str] = None, continues: bool = False, **params) -> AsyncIterator[Chunk]:
         """Stream a completion of ids already encoded (``encode`` or ``encode_chat``, e.g. by
-        ``off_loop``); ``chat``: the reply of a chat (tool calls parsed from it)."""
-        return self._stream(self.encode(ids), params, request_id, tools, chat)
+        ``off_loop``); ``chat``: the reply of a chat (tool calls parsed from it);
+        ``continues``: the ids end in a prefill that the reply's text goes on from."""
+        return self._stream(self.encode(ids), params, request_id, tools, chat, continues)
 
     def _check_running(self):
         if not self.running:
             raise EngineError(f"model {self.model_id} is not running")
 
-    def _stream(self, ids, params, request_id, tools=None, chat=False):
+    def _stream(self, ids, params, request_id, tools=None, chat=False, continues=False):
         options = RequestOptions.parse(params)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -279,7 +280,7 @@ class Engine:
         options.check_values(self.vocab_size)
         # Here, not when the request runs: the caller learns which option is wrong.
         sampling_params(options, self.settings, self.tokenizer, self.vocab_size)
-        request = Request(request_id or f"req-{next(_ids)}", ids, options, tools, chat)
+        request = Request(request_id or f"req-{next(_ids)}", ids, options, tools, chat, continues)
         if request.id in self.admission.requests:
             raise EngineError(f"request id {request.id} is already in use")
         if in_event_loop():  # else (a stream made outside the loop) on its first step
