@@ -19,6 +19,9 @@ there.  Everything here runs on the MLX worker thread.
 """
 
 import collections
+import ctypes
+import ctypes.util
+import sys
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -28,6 +31,21 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from ..loop.draft_context import DraftContext
 from ..loop.target import attach, snapshot
+
+
+# glibc's malloc_trim, where there is one (None elsewhere: macOS, musl).
+_malloc_trim = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None) \
+    if sys.platform.startswith("linux") else None
+
+
+def give_back_freed():
+    """Hand the memory of entries let go back to the system.  MLX keeps freed buffers in
+    its cache (on Metal up to the memory limit) and glibc keeps freed chunks in its arenas
+    for reuse; the next entries rarely have the same sizes, so an evicting cache would
+    otherwise hold the process well above its budget."""
+    mx.clear_cache()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 @dataclass
@@ -272,30 +290,44 @@ class PrefixCache:
         budget); False when it does not fit there at all."""
         if entry.nbytes > self.budget:
             return False
-        gone, disk = [], self.disk
+        gone, covered = self._admit(entry)
+        self._spill(gone)
+        if gone or covered:
+            gone = None  # the last reference: the entries' arrays are freed here
+            give_back_freed()
+        return True
+
+    def _admit(self, entry: Entry):
+        """Add ``entry``, drop the entries it covers, and take out the oldest while over the
+        budget; returns those taken out (oldest first) and how many were covered."""
+        gone, covered = [], 0
         with self._lock:
             for key, e in list(self.entries.items()):
                 if covers(entry.tokens, entry.draft is not None, entry.trimmable, e.tokens, e.draft is not None):
                     del self.entries[key]
+                    covered += 1
             self.entries[next(self._keys)] = entry
             while self.nbytes > self.budget or len(self.entries) > (self.max_entries or len(self.entries)):
                 gone.append(self.entries.popitem(last=False)[1])
-        for e in gone if disk is not None else ():
+        return gone, covered
+
+    def _spill(self, entries: list):
+        """Write ``entries`` to the disk tier, if there is one, in order."""
+        disk = self.disk  # settings may change it from another thread
+        for e in entries if disk is not None else ():
             disk.put(e)
-        return True
 
     def clear(self):
         with self._lock:
             self.entries.clear()
+        give_back_freed()
 
     def close(self):
         """Let every entry go: to the disk tier, if there is one, oldest first."""
-        disk = self.disk
         with self._lock:
             entries = list(self.entries.values())
             self.entries.clear()
-        for e in entries if disk is not None else ():
-            disk.put(e)
+        self._spill(entries)
 
 
 def layout(target: list, draft: Optional[list], tokens: int = 1) -> tuple:

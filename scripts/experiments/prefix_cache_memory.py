@@ -5,7 +5,8 @@
 some sharing a long system message and some not, so the cache fills, evicts and reuses. The
 server's resident memory (RSS, from `ps`) is sampled after every request, with the prefix
 cache at --prefix-cache-gb and with it off (0). Prints, for each: RSS at the first request,
-at the end and at its peak, and the bytes and entries the cache counts at the end.
+after a quarter, half and three quarters of them, at the end and at its peak, and the bytes
+and entries the cache counts at the end.
 
     python scripts/experiments/prefix_cache_memory.py                       # 200 requests, 1 GB budget
     python scripts/experiments/prefix_cache_memory.py --requests 50 --prefix-cache-gb 0.05
@@ -83,7 +84,8 @@ def run(args, cache_gb: float) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    return {"first": samples[0], "end": samples[-1], "peak": max(samples),
+    quarters = [samples[len(samples) * q // 4 - 1] for q in (1, 2, 3)]
+    return {"first": samples[0], "quarters": quarters, "end": samples[-1], "peak": max(samples),
             "cache_mb": stats.get("prefix_cache_bytes", 0) / 2**20, "entries": stats.get("prefix_cache_entries", 0)}
 
 
@@ -93,12 +95,16 @@ def main():
     ap.add_argument("--draft", help="drafter of --model")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--prefix-cache-gb", type=float, default=1.0)
+    ap.add_argument("--skip-off", action="store_true", help="skip the run with the cache off")
     args = ap.parse_args()
     print(f"{args.requests} mixed requests, RSS in MB after each")
-    print(f"{'prefix cache':>14} {'first':>8} {'end':>8} {'peak':>8} {'cache MB':>9} {'entries':>8}")
-    for gb in (args.prefix_cache_gb, 0.0):
+    n = args.requests
+    marks = "".join(f"{'at ' + str(n * q // 4):>8}" for q in (1, 2, 3))
+    print(f"{'prefix cache':>14} {'first':>8}{marks} {'end':>8} {'peak':>8} {'cache MB':>9} {'entries':>8}")
+    for gb in (args.prefix_cache_gb,) + (() if args.skip_off else (0.0,)):
         r = run(args, gb)
-        print(f"{str(gb) + ' GB':>14} {r['first']:8.0f} {r['end']:8.0f} {r['peak']:8.0f} "
+        quarters = "".join(f"{x:8.0f}" for x in r["quarters"])
+        print(f"{str(gb) + ' GB':>14} {r['first']:8.0f}{quarters} {r['end']:8.0f} {r['peak']:8.0f} "
               f"{r['cache_mb']:9.1f} {r['entries']:8d}", flush=True)
 
 
