@@ -20,7 +20,6 @@ there.  Everything here runs on the MLX worker thread.
 
 import collections
 import ctypes
-import ctypes.util
 import sys
 import threading
 from dataclasses import dataclass
@@ -33,9 +32,9 @@ from ..loop.draft_context import DraftContext
 from ..loop.target import attach, snapshot
 
 
-# glibc's malloc_trim, where there is one (None elsewhere: macOS, musl).
-_malloc_trim = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None) \
-    if sys.platform.startswith("linux") else None
+# glibc's malloc_trim, where there is one (None elsewhere: macOS, musl).  CDLL(None) is the
+# process's own symbols, libc's among them: no library search at import.
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
 
 
 def give_back_freed():
