@@ -50,6 +50,10 @@ def train(
     val_records: int = typer.Option(0, "--val-records", help="Hold out the dataset's last N records and report val_* metrics on them (0: no held-out set)."),
     val_every: int = typer.Option(50, "--val-every", help="Steps between held-out evaluations."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from the latest checkpoint under --out."),
+    min_block_size: int = typer.Option(0, "--min-block-size", help="Train each block at a served size drawn from [this, block size] (0: the trained size only)."),
+    distill: float = typer.Option(0.0, "--distill", help="Weight of the KL to the target's own next-token distribution (needs the target's last layer as the last tap)."),
+    max_seconds: float = typer.Option(0.0, "--max-seconds", help="End (final checkpoint) once this run has trained this long, wherever the schedule is (0: no limit)."),
+    device: str = typer.Option("auto", "--device", help="auto (MLX's default device), cpu or gpu. On a GPU the target computes in bf16; the drafter and its loss stay fp32."),
 ):
     """Train a DFlash / DFlash 2 drafter for a target (data regeneration, training, checkpoints).
 
@@ -62,13 +66,19 @@ def train(
     from ..model.checkpoint import resolve
     from ..train import TrainConfig, train_drafter
     from ..train.data import generate_dataset
+    from ..train.device import choose, prepare_target
 
     if model is None:
         model = str(default_target_path())
     if data_only:
         if prompts is None:
             raise typer.BadParameter("--data-only needs --prompts")
+        try:
+            device = choose(device)
+        except ValueError as e:
+            raise typer.BadParameter(str(e))
         target, tokenizer = mlx_lm.load(str(resolve(model)))
+        prepare_target(target, device)
         n = generate_dataset(target, tokenizer, prompts, data, max_tokens=gen_max_tokens,
                              temp=gen_temp, batch_size=gen_batch_size, limit=prompt_limit)
         typer.echo(f"{data}: {n} records")
@@ -78,7 +88,8 @@ def train(
                       max_len=max_len, selector_weight=selector_weight, seed=seed,
                       save_every=save_every, keep=keep, log_every=log_every,
                       feature_cache_gb=feature_cache_gb, val_records=val_records,
-                      val_every=val_every)
+                      val_every=val_every, min_block_size=min_block_size, distill=distill,
+                      max_seconds=max_seconds)
     group = mx.distributed.init()
     try:
         final = train_drafter(
@@ -87,7 +98,8 @@ def train(
             mask_token_id=mask_token_id, selector_rank=selector_rank,
             selector_top_k=selector_top_k, intermediate_size=intermediate_size,
             gen_max_tokens=gen_max_tokens, gen_temp=gen_temp, gen_batch_size=gen_batch_size,
-            prompt_limit=prompt_limit, config=cfg, resume=resume, log=typer.echo, group=group)
+            prompt_limit=prompt_limit, config=cfg, resume=resume, log=typer.echo, group=group,
+            device=device)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

@@ -4,7 +4,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx_lm
@@ -14,6 +14,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import adaptive, distributed as dist
 from .distributed import agree, fingerprint
+from .loop import exactness
 from .loop.draft_context import DraftContext
 from .model.drafter import Drafter
 from .model.checkpoint import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
@@ -47,6 +48,7 @@ class GenerationResponse:
     shadows: int = 0  # plain steps so far that also drafted, unverified, to follow the drafter
     copies: int = 0  # cycles so far that verified a copy of earlier tokens (no drafter pass)
     copied: int = 0  # ... and the copied tokens they accepted
+    exactness: str = ""  # whether greedy output is the target's own bit for bit here (exactness.py)
 
 
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
@@ -179,7 +181,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     draft_window: Optional[int] = None, draft_sink: int = 0,
                     prompt_cache: Optional[list] = None, draft_context=None, cached_tokens: int = 0,
                     lookup: bool = True, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, continues: bool = False):
+                    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, continues: bool = False,
+                    exact: bool = False):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
@@ -201,7 +204,12 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     Sampling takes ``mlx_lm.sample_utils.make_sampler``'s arguments (XTC's special tokens:
     none unless given, as there; mlx-lm's CLI and server give "\n" and the EOS tokens).
     ``continues``: the reply continues the prompt's last text (a prefilled reply), so its
-    first token keeps a leading space (``detokenizer_after``)."""
+    first token keeps a leading space (``detokenizer_after``).
+    ``exact``: every verify row is computed as the target's own one-row decode step computes
+    it, so greedy output is plain decoding's bit for bit on any backend.  Where this machine's
+    verify passes are already row-exact (the probe, ``loop/exactness.py``, run once and kept)
+    this costs nothing; where they are not, each verify row becomes a one-row step (slower).
+    Each response's ``exactness`` says which guarantee holds."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if max_tokens == 0 or max_tokens < -1:
@@ -222,14 +230,18 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                   prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
                   quantized_kv_start=quantized_kv_start)
     tic = time.perf_counter()
-    policy = None
+    policy, exact_note = None, "exact"  # plain decoding is the target's own
     if drafter is not None and verify_mode != "off":
+        exact_note, one_row = exactness_of(model, exact)
         policy, tokens = _dflash_steps(model, drafter, ids, params, limit, block_size, verify_mode, seed,
-                                      draft_window, draft_sink, draft_context, cached_tokens, lookup, **shared)
+                                      draft_window, draft_sink, draft_context, cached_tokens, lookup,
+                                      one_row=one_row, **shared)
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
     try:
-        yield from _responses(tokens, tokenizer, ids, limit, tic, continues)
+        for r in _responses(tokens, tokenizer, ids, limit, tic, continues):
+            r.exactness = exact_note
+            yield r
     finally:
         tokens.close()  # now, not when collected: a prompt_cache is settled before this returns
         adaptive.remember(policy)
@@ -238,12 +250,13 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
 def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams, limit, block_size,
                  verify_mode: str, seed: Optional[int], draft_window: Optional[int], draft_sink: int,
                  draft_context, cached_tokens: int, lookup: bool, prompt_cache: Optional[list] = None,
-                 **shared):
+                 one_row: bool = False, **shared):
     """(the block-size policy, the DFlash cycles' (token, logprobs, from_draft, stats)).  A
     ``prompt_cache`` without a ``draft_context`` is mlx-lm's use of one: the drafter's context
     is the one kept beside it (``chat_context``), and the cache is settled when the steps end."""
     block_size = check_block_size(drafter, block_size)
     target = attach(model, drafter)
+    target.exact = one_row
     if prompt_cache is not None:
         target.check_cache(prompt_cache)
     chat = prompt_cache is not None and draft_context is None
@@ -258,6 +271,19 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams
         ids, target, drafter, max_tokens=limit, params=params, block_size=policy,
         draft_window=draft_window, draft_sink=draft_sink, prompt_cache=prompt_cache,
         context=draft_context, cached_tokens=cached_tokens, lookup=lookup, settle=chat, **shared)
+
+
+def exactness_of(model, exact: bool) -> Tuple[str, bool]:
+    """(what a response says of its exactness, whether verify rows must be one-row steps).
+    With ``exact`` the probe runs now if this machine has no verdict for the target yet."""
+    verdict = exactness.verdict(model) if exact else exactness.known(model)
+    if verdict is None:
+        return "not probed on this machine (dflash2-mlx doctor --exact)", False
+    if verdict.exact:
+        return "exact", False
+    if exact:
+        return f"exact (one-row verify: this machine's verify passes are {verdict.describe()})", True
+    return verdict.describe(), False
 
 
 def _block_policy(target, drafter: Drafter, block_size, verify_mode: str, greedy: bool, seed: Optional[int]):

@@ -33,11 +33,12 @@ __all__ = ["CycleStats", "Sequence", "cycle", "prefill", "speculative_generate_s
 
 def prefill(target: Target, prompt: mx.array, cache, step: int = 2048, kv: Optional[KVQuantization] = None):
     """Run the prompt through the target in chunks; last logits and all features.  With KV
-    quantization (``kv``, quantizing after each call) the chunks are mlx-lm's own: the prompt
-    but its last token, and that token alone."""
+    quantization (``kv``, quantizing after each call) or an exact target (``target.exact``)
+    the chunks are mlx-lm's own: the prompt but its last token, and that token alone, so the
+    cache and the first token's logits are computed as mlx-lm's decoding computes them."""
     feats = []
     chunks = [(i, min(i + step, prompt.size)) for i in range(0, prompt.size, step)]
-    if kv is not None and kv.on:
+    if (kv is not None and kv.on) or target.exact:
         chunks = [(i, min(i + step, prompt.size - 1)) for i in range(0, prompt.size - 1, step)]
         chunks.append((prompt.size - 1, prompt.size))
     for i, j in chunks:
@@ -79,7 +80,7 @@ class Sequence:
         logits and features."""
         self.kv(self.cache)
         self.saved = snapshot(self.cache)
-        logits, features = self.target(block[None], self.cache)
+        logits, features = self.target.verify_pass(block[None], self.cache)
         return processed_logits(logits[0], self.history, block, self.processors), features
 
     def keep(self, block: mx.array, features: mx.array, n: int):

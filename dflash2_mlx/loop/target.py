@@ -69,6 +69,9 @@ class Target:
                 "DFlash needs an mlx-lm decoder with `layers` and `model.embed_tokens`"
             )
         self.layers = model.layers
+        # Exact verify (``exactness.py``): every row of a verify pass computed as a one-row
+        # decode step computes it, where this machine's multi-row passes round otherwise.
+        self.exact = False
         self.stage = getattr(model, "dflash_stage", None)  # a pipeline stage: this rank's layers
         depth = len(self.layers) if self.stage is None else self.stage.depth
         bad = [i for i in layer_ids if not 0 <= i < depth]
@@ -161,6 +164,19 @@ class Target:
         self._taps[:] = [None] * len(self._taps)
         return logits, features
 
+    def one_row_steps(self, ids: mx.array, cache):
+        """``__call__``'s result for ``ids`` [1, L] computed as L one-row decode steps: the
+        rows, the cache entries and the features are those mlx-lm's decoding computes."""
+        outs = [self(ids[:, i : i + 1], cache) for i in range(ids.shape[1])]
+        return (mx.concatenate([o[0] for o in outs], axis=1),
+                mx.concatenate([o[1] for o in outs], axis=1))
+
+    def verify_pass(self, ids: mx.array, cache):
+        """A pass that verifies (or replays) ``ids``: one pass, or with ``exact`` one-row steps."""
+        if self.exact and ids.shape[1] > 1:
+            return self.one_row_steps(ids, cache)
+        return self(ids, cache)
+
     def staged_call(self, ids: mx.array, cache):
         if self._cols is False:
             raise ValueError("a target split into a pipeline gives the drafter's fc rows as its features: "
@@ -233,5 +249,5 @@ def rollback(target: Target, cache, saved: list, fed: int, kept: mx.array):
             c.state = s
         else:
             c.cache, c.lengths = list(s[0]), s[1]
-    target(kept, cache)
+    target.verify_pass(kept, cache)
     mx.eval([c.state for c in cache])

@@ -4,6 +4,7 @@
     features.py   target features at the tapped layers (on the fly, or a bounded disk cache)
     objective.py  anchors, the block mask, batched block forward, weighted CE, selector CE
     init.py       new drafters sized from a target; DFlash 2 warm start from DFlash v1
+    device.py     the device training runs on and the dtype the target computes in there
     trainer.py    AdamW + warmup/cosine + clip + accumulation, checkpoints, resume
     contamination.py  training prompts kept clear of the benchmark sets
 
@@ -21,6 +22,7 @@ from ..loop.target import model_args
 from ..model.checkpoint import load_drafter, resolve, validate_pair
 from . import data as data_mod
 from . import trainer
+from .device import choose as choose_device, prepare_target
 from .init import default_mask_token_id, frequent_tokens, new_drafter, new_drafter_config, warm_start_v2
 from .trainer import TrainConfig, latest_checkpoint
 
@@ -49,7 +51,8 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
                   draft_vocab: int = 0,
                   gen_max_tokens: int = 256, gen_temp: float = 0.0, gen_batch_size: int = 8,
                   prompt_limit: Optional[int] = None, config: TrainConfig = TrainConfig(),
-                  resume: bool = True, log: Optional[Callable[[str], None]] = print, group=None):
+                  resume: bool = True, log: Optional[Callable[[str], None]] = print, group=None,
+                  device: str = "auto"):
     """Regenerate data (when ``prompts`` is given), build or load the drafter, train.
 
     ``draft_vocab`` > 0: a new drafter drafts over the tokens most frequent in
@@ -58,6 +61,7 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
     warm-started as DFlash 2); without it a new drafter is sized from the target.  An
     existing checkpoint under ``out_dir`` is resumed.  ``group``: train data-parallel over
     these ``mx.distributed`` ranks (each loads the target; rank 0 alone logs and writes).
+    ``device``: ``auto`` (MLX's default), ``cpu`` or ``gpu`` (see ``device.py``).
     Returns ``out_dir / "final"``."""
     out_dir = Path(out_dir)
     main = group is None or group.rank() == 0
@@ -68,7 +72,9 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
     say = (log if main else None) or (lambda s: None)
+    device = choose_device(device)
     model, tokenizer = mlx_lm.load(str(resolve(target)))
+    prepare_target(model, device)
     if prompts is not None:
         n = data_mod.generate_dataset(model, tokenizer, prompts, data, max_tokens=gen_max_tokens,
                                       temp=gen_temp, batch_size=gen_batch_size,

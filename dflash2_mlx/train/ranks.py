@@ -60,6 +60,12 @@ class Ranks:
             return grads
         return nn.average_gradients(grads, group=self.group)
 
+    def stop_all(self, stop: bool) -> bool:
+        """Whether any rank asks to stop (each rank's clock differs; all must stop together)."""
+        if not self.distributed:
+            return stop
+        return mx.distributed.all_sum(mx.array(float(stop)), group=self.group).item() > 0
+
     def barrier(self):
         """Return once every rank has reached this call: what rank 0 wrote before it is
         on disk for any rank that reads the run directory after it."""

@@ -57,6 +57,7 @@ class TrainConfig:
     stop_after: int = 0  # > 0: end (final checkpoint) after this many steps of a schedule over ``steps``
     val_records: int = 0  # > 0: the dataset's last N records are held out, never trained on
     val_every: int = 50  # steps between held-out evaluations (logged as val_* in the history)
+    max_seconds: float = 0.0  # > 0: end (final checkpoint) once this run has trained this long
 
 
 def schedule(cfg: TrainConfig):
@@ -334,7 +335,11 @@ def train(target_model, drafter: Optional[Drafter], records: List[dict], out_dir
         cache = FeatureCache(out_dir / "features", int(cfg.feature_cache_gb * 2**30), meta)
     step = Step(target, drafter, data, rng, cfg, ranks, cache)
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
+    began = time.perf_counter()
     while state.step < end:
+        # A wall-clock budget (a lent GPU's minutes): every rank must stop at the same step.
+        if cfg.max_seconds > 0 and ranks.stop_all(time.perf_counter() - began >= cfg.max_seconds):
+            break
         tic = time.perf_counter()
         try:
             grads, sums, n = step.gradients()
