@@ -53,6 +53,7 @@ def train(
     min_block_size: int = typer.Option(0, "--min-block-size", help="Train each block at a served size drawn from [this, block size] (0: the trained size only)."),
     distill: float = typer.Option(0.0, "--distill", help="Weight of the KL to the target's own next-token distribution (needs the target's last layer as the last tap)."),
     max_seconds: float = typer.Option(0.0, "--max-seconds", help="End (final checkpoint) once this run has trained this long, wherever the schedule is (0: no limit)."),
+    gen_by_length: bool = typer.Option(False, "--gen-by-length", help="Regenerate in batches of prompts of one token length with plain one-token steps (fast on a GPU) instead of mlx-lm's continuous batching."),
     device: str = typer.Option("auto", "--device", help="auto (MLX's default device), cpu or gpu. On a GPU the target computes in bf16; the drafter and its loss stay fp32."),
 ):
     """Train a DFlash / DFlash 2 drafter for a target (data regeneration, training, checkpoints).
@@ -65,7 +66,7 @@ def train(
     from ..builtin.smollm2 import default_target_path
     from ..model.checkpoint import resolve
     from ..train import TrainConfig, train_drafter
-    from ..train.data import generate_dataset
+    from ..train.data import generate_by_length, generate_dataset
     from ..train.device import choose, prepare_target
 
     if model is None:
@@ -79,8 +80,9 @@ def train(
             raise typer.BadParameter(str(e))
         target, tokenizer = mlx_lm.load(str(resolve(model)))
         prepare_target(target, device)
-        n = generate_dataset(target, tokenizer, prompts, data, max_tokens=gen_max_tokens,
-                             temp=gen_temp, batch_size=gen_batch_size, limit=prompt_limit)
+        make = generate_by_length if gen_by_length else generate_dataset
+        n = make(target, tokenizer, prompts, data, max_tokens=gen_max_tokens,
+                 temp=gen_temp, batch_size=gen_batch_size, limit=prompt_limit)
         typer.echo(f"{data}: {n} records")
         return
     cfg = TrainConfig(steps=steps, lr=lr, warmup=warmup, weight_decay=weight_decay, clip=clip,

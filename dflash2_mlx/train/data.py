@@ -136,6 +136,62 @@ def generate_dataset(model, tokenizer, prompts_path, out_path, *, max_tokens: in
     return len(done) + len(encoded)
 
 
+def generate_by_length(model, tokenizer, prompts_path, out_path, *, max_tokens: int = 256,
+                       temp: float = 0.0, batch_size: int = 256, max_prompt_tokens: int = 1024,
+                       limit: Optional[int] = None, chat: bool = True, progress: bool = True,
+                       seed: int = 0) -> int:
+    """``generate_dataset`` for a GPU: prompts of the same token length answered together in
+    batches of up to ``batch_size``, with a plain KV cache and one-token steps (no padding, no
+    masks, the same few shapes at every step), until every row has met an end token or
+    ``max_tokens``.  Responses end with their end token.  Same file format and resume."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _repair(out_path)
+    todo = [(i, p) for i, p in read_prompts(prompts_path, limit) if i not in done]
+    by_len = {}
+    for i, p in todo:
+        ids = encode(tokenizer, p, chat)[-max_prompt_tokens:]
+        by_len.setdefault(len(ids), []).append((i, ids))
+    # Every batch costs up to ``max_tokens`` steps whatever its size: the fullest first, so
+    # that a run cut short by its time budget has answered the most prompts.
+    batches = [group[k : k + batch_size] for group in by_len.values() for k in range(0, len(group), batch_size)]
+    batches.sort(key=lambda b: (-len(b), b[0][0]))
+    eos = set(tokenizer.eos_token_ids)
+    mx.random.seed(seed)
+    bar = tqdm(total=len(done) + len(todo), initial=len(done), disable=not progress,
+               desc="responses", unit="prompt")
+    tokens, tic = 0, time.perf_counter()
+    with open(out_path, "a") as f:
+        for batch in batches:
+            cache = make_prompt_cache(model)
+            x = mx.array([ids for _, ids in batch], dtype=mx.int32)
+            steps = []
+            for _ in range(max_tokens):
+                logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+                x = (mx.argmax(logits, -1) if temp == 0 else mx.random.categorical(logits / temp))[:, None]
+                mx.async_eval(x)
+                steps.append(x)
+                if len(steps) % 32 == 0:  # every row has ended: stop early
+                    seen = mx.concatenate(steps, axis=1).tolist()
+                    if all(any(t in eos for t in row) for row in seen):
+                        break
+            rows = mx.concatenate(steps, axis=1).tolist()
+            for (i, ids), row in zip(batch, rows):
+                end = next((k for k, t in enumerate(row) if t in eos), None)
+                resp = row if end is None else row[: end + 1]
+                f.write(json.dumps({"id": i, "prompt_ids": ids, "response_ids": resp,
+                                    "response": tokenizer.decode([t for t in resp if t not in eos])}) + "\n")
+                tokens += len(resp)
+            f.flush()
+            bar.update(len(batch))
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - tic):.0f} tok/s, {tokens} tokens")
+    bar.close()
+    return len(done) + len(todo)
+
+
 def sequences(records: List[dict], max_len: Optional[int] = None) -> Iterator[Tuple[List[int], int]]:
     """(token ids, response start) per record, at most ``max_len`` tokens: a prompt longer
     than half of that keeps its last ``max_len // 2`` tokens, the response is cut at the end."""

@@ -70,6 +70,7 @@ rm -rf "$W/pkg" && mkdir -p "$W/pkg"
 cp -r "$ROOT/dflash2_mlx" "$W/pkg/" && cp -r "$ROOT/cli" "$W/pkg/dflash2_mlx/cli" && cp -r "$ROOT/metal" "$W/pkg/dflash2_mlx/metal"
 export PYTHONPATH=$W/site:$W/pkg${PYTHONPATH:+:$PYTHONPATH}
 export DFLASH2_MLX_HOME=$W/home PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+cd "$W"  # not the checkout: python -m / - would import its unmapped dflash2_mlx first
 mkdir -p "$W/home/gguf" && cp -n "$P"/gguf/*.gguf "$W/home/gguf/"
 DF=(python3 -m dflash2_mlx.cli.main)
 python3 - <<'PYEOF' || exit 5
@@ -86,16 +87,16 @@ echo "setup $(( $(date +%s) - T_START )) s" >> "$W/timings.txt"
 # runs; then it answers its own prompts and the rest at T=1.
 phase "responses at T=0 ($T0_SECONDS s) | Magpie prompts ($MAGPIE_SECONDS s), then the exactness probe"
 (
-    cd "$ROOT"
-    timed magpie "$MAGPIE_SECONDS" python3 scripts/recipe/make_magpie_prompts.py "$W/magpie.jsonl" \
+    cd "$W"
+    (( MAGPIE_SECONDS > 0 )) && timed magpie "$MAGPIE_SECONDS" python3 "$ROOT/scripts/recipe/make_magpie_prompts.py" "$W/magpie.jsonl" \
         --n "$MAGPIE_N" --batch "$MAGPIE_BATCH" --max-tokens 128 --seed 21 --model "$TARGET"
-    [[ -f scripts/recipe/gpu/probe.py ]] && timed probe "$PROBE_SECONDS" python3 scripts/recipe/gpu/probe.py \
+    [[ -f $ROOT/scripts/recipe/gpu/probe.py ]] && (( PROBE_SECONDS > 0 )) && timed probe "$PROBE_SECONDS" python3 "$ROOT/scripts/recipe/gpu/probe.py" \
         --model "$TARGET" --draft "$P/drafter" --out "$W/probe" --prompts "$PROBE_PROMPTS"
 ) > "$W/side.log" 2>&1 &
 SIDE=$!
 timed data-T0 "$T0_SECONDS" "${DF[@]}" train --data-only --prompts "$P/prompts/cpu.jsonl" --data "$W/data-T0.jsonl" \
     --out "$W/run" --model "$TARGET" --device "$DEVICE" --prompt-limit "$PROMPT_LIMIT" \
-    --gen-max-tokens "$GEN_MAX_TOKENS" --gen-batch-size "$GEN_BATCH" --gen-temp 0
+    --gen-max-tokens "$GEN_MAX_TOKENS" --gen-batch-size "$GEN_BATCH" --gen-temp 0 --gen-by-length
 wait $SIDE; cat "$W/side.log"
 touch "$W/magpie.jsonl" "$W/data-T0.jsonl"
 python3 - "$P/prompts/cpu.jsonl" "$W/data-T0.jsonl" "$W/rest.jsonl" <<'PYEOF'
@@ -109,7 +110,7 @@ python3 "$ROOT/scripts/recipe/gpu/prompts.py" "$W/prompts-T1.jsonl" "$W/magpie.j
 phase "responses at T=1, $T1_SECONDS s"
 timed data-T1 "$T1_SECONDS" "${DF[@]}" train --data-only --prompts "$W/prompts-T1.jsonl" --data "$W/data-T1.jsonl" \
     --out "$W/run" --model "$TARGET" --device "$DEVICE" --prompt-limit "$PROMPT_LIMIT" \
-    --gen-max-tokens "$GEN_MAX_TOKENS" --gen-batch-size "$GEN_BATCH" --gen-temp 1
+    --gen-max-tokens "$GEN_MAX_TOKENS" --gen-batch-size "$GEN_BATCH" --gen-temp 1 --gen-by-length
 touch "$W/data-T1.jsonl"
 python3 - "$W/data-T0.jsonl" "$W/data-T1.jsonl" "$W/data.jsonl" "$W/stats.json" <<'PYEOF'
 import json, sys
