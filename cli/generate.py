@@ -81,6 +81,7 @@ def generate(
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill pass."),
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, help="Bound the target's KV cache to this many tokens (a rotating cache), as mlx_lm.generate does; plain decoding only (--verify-mode off)."),
     prompt_cache_file: Optional[Path] = typer.Option(None, "--prompt-cache-file", help="A prompt cache saved by mlx_lm.cache_prompt: the prompt continues after its tokens, as in mlx_lm.generate (the model defaults to the one that made it)."),
+    exact: bool = typer.Option(False, "--exact", help="Compute every verify row as the target's own one-row decode step does, so greedy output is plain decoding's bit for bit on this machine (free where its verify passes are already row-exact: the probe, run once; else each verify row is a one-row step)."),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line after the text."),
     distributed: Optional[str] = typer.Option(None, "--distributed", help="Split the target over the mx.distributed ranks this runs as (under mlx.launch): 'tensor' (mlx-lm's shard: heads and MLP split over the ranks) or 'pipeline' (layer ranges). Rank 0 prints; every rank needs the same model files."),
 ):
@@ -117,7 +118,7 @@ def generate(
                 xtc_special_tokens=xtc_special_tokens(tokenizer), block_size=block_size,
                 verify_mode=verify_mode, seed=seed, draft_window=draft_window, draft_sink=draft_sink, lookup=copies,
                 prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                quantized_kv_start=quantized_kv_start, prompt_cache=cache):
+                quantized_kv_start=quantized_kv_start, prompt_cache=cache, exact=exact):
             if shown:
                 typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:

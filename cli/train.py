@@ -52,6 +52,7 @@ def train(
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from the latest checkpoint under --out."),
     min_block_size: int = typer.Option(0, "--min-block-size", help="Train each block at a served size drawn from [this, block size] (0: the trained size only)."),
     distill: float = typer.Option(0.0, "--distill", help="Weight of the KL to the target's own next-token distribution (needs the target's last layer as the last tap)."),
+    stop_after: int = typer.Option(0, "--stop-after", help="End (final checkpoint) after this many steps of the --steps schedule (0: at its end)."),
     max_seconds: float = typer.Option(0.0, "--max-seconds", help="End (final checkpoint) once this run has trained this long, wherever the schedule is (0: no limit)."),
     gen_by_length: bool = typer.Option(False, "--gen-by-length", help="Regenerate in batches of prompts of one token length with plain one-token steps (fast on a GPU) instead of mlx-lm's continuous batching."),
     device: str = typer.Option("auto", "--device", help="auto (MLX's default device), cpu or gpu. On a GPU the target computes in bf16; the drafter and its loss stay fp32."),
@@ -91,7 +92,7 @@ def train(
                       save_every=save_every, keep=keep, log_every=log_every,
                       feature_cache_gb=feature_cache_gb, val_records=val_records,
                       val_every=val_every, min_block_size=min_block_size, distill=distill,
-                      max_seconds=max_seconds)
+                      max_seconds=max_seconds, stop_after=stop_after)
     group = mx.distributed.init()
     try:
         final = train_drafter(

@@ -282,7 +282,7 @@ def exactness_of(model, exact: bool) -> Tuple[str, bool]:
     if verdict.exact:
         return "exact", False
     if exact:
-        return f"exact (one-row verify: this machine's verify passes are {verdict.describe()})", True
+        return f"exact (one-row verify: passes here are {verdict.describe()})", True
     return verdict.describe(), False
 
 
@@ -406,4 +406,4 @@ def stats_line(r: GenerationResponse) -> str:
     tau = f"tau {r.tau:.2f} | {blocks} | " if r.cycles else ""
     return (f"{tau}generation {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | "
             f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
-            f"peak memory {r.peak_memory:.3f} GB")
+            f"peak memory {r.peak_memory:.3f} GB" + (f" | verify rows: {r.exactness}" if r.cycles and r.exactness else ""))

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from mlx_lm.models.cache import KVCache
@@ -23,7 +24,7 @@ from .admission import DONE, Request
 from .prefix_cache import Start, recurrent_state
 from .reply import Reply
 from .settings import ModelSettings
-from .solo import Carry, solo_job
+from .solo import PREFILL_CHUNK_SECONDS, Carry, solo_job
 from .wire import Chunk
 
 log = logging.getLogger("dflash2_mlx.engine")
@@ -88,6 +89,22 @@ class Joined:
         out.fallback = st.fallback if st.cycles else b.fallback
         out.shadows = b.shadows + st.shadows
         return out
+
+
+# A prompt with more tokens than this to read is read a chunk a step before it joins (the
+# batch's cycles go on between), not at once inside the batch.
+READ_AT_ONCE = 256
+
+
+@dataclass
+class Reading:
+    """A request whose prompt is being read into its start's caches before it joins."""
+    request: Request
+    push: object
+    carry: Optional[Carry]
+    ids: List[int]
+    start: object
+    steps: object  # the generator reading the prompt, a chunk a step
 
 
 class Batching:
@@ -156,11 +173,12 @@ class Batching:
         as its request: made with the settings of the moment, its adaptive block sizes
         seeded from the pair's history and folded back into it at the end."""
         joined: Dict[int, Joined] = {}  # uid -> request
+        reading: List[Reading] = []  # requests whose prompts are read a chunk a step, not in yet
         gen = None
         while True:
             with self.lock:
                 joins, self.joins = collections.deque(self.joins), []
-                if not joins and not joined:
+                if not joins and not joined and not reading:
                     self.job = None
                     if gen is not None:
                         gen.close()
@@ -168,8 +186,9 @@ class Batching:
             try:
                 gen = gen or self._generator()
                 while joins:
-                    self._insert(gen, joined, *joins[0])
+                    self._insert(gen, joined, reading, *joins[0])
                     joins.popleft()
+                self._read(gen, joined, reading)
                 for uid, j in list(joined.items()):
                     if j.request.aborted.is_set():
                         j.finish = "abort"
@@ -186,6 +205,9 @@ class Batching:
                     self._done(joined.pop(uid))
                 for request, push, _ in joins:  # not in the batch yet
                     self._refuse(request, push, "error", e)
+                for r in reading:
+                    self._refuse(r.request, r.push, "error", e)
+                reading.clear()
                 gen = None
             yield
 
@@ -195,17 +217,49 @@ class Batching:
                               draft_window=s.draft_window, draft_sink=s.draft_sink,
                               return_caches=True, lookup=s.dflash_copies)
 
-    def _insert(self, gen, joined: Dict[int, Joined], request: Request, push, carry: Optional[Carry] = None):
+    def _insert(self, gen, joined: Dict[int, Joined], reading: list, request: Request, push,
+                carry: Optional[Carry] = None):
         """Put a request into the batch: its prefix-cache start, sampling and stops.  A
-        request handed over from its single stream (``carry``) goes on after its tokens."""
+        request handed over from its single stream (``carry``) goes on after its tokens.  A
+        prompt longer than a chunk is read first, a chunk a step (``_read``)."""
         if request.aborted.is_set():
             self._refuse(request, push, "abort", Chunk(finish_reason="abort", prompt_tokens=len(request.ids)))
             return
-        e, s, g = self.engine, self.engine.settings, request.generation
+        e, s = self.engine, self.engine.settings
         ids = request.ids + (carry.tokens if carry else [])
         try:
             start = (carry.caches if carry else e.prefix_cache).start(
                 ids, e.model, e.drafter, s.draft_window, sink=s.draft_sink)
+        except Exception as ex:
+            self._refuse(request, push, "error", ex)
+            return
+        if len(ids) - 1 - start.tokens > READ_AT_ONCE and e.lockstep is None:
+            steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=PREFILL_CHUNK_SECONDS)
+            reading.append(Reading(request, push, carry, ids, start, steps))
+            return
+        self._enter(gen, joined, request, push, carry, ids, start)
+
+    def _read(self, gen, joined: Dict[int, Joined], reading: list):
+        """One chunk of each prompt being read; a prompt read to its last token enters the
+        batch, a request given up meanwhile leaves before it."""
+        for r in list(reading):
+            if r.request.aborted.is_set():
+                reading.remove(r)
+                self._refuse(r.request, r.push, "abort", Chunk(finish_reason="abort", prompt_tokens=len(r.request.ids)))
+                continue
+            try:
+                next(r.steps)
+            except StopIteration:
+                reading.remove(r)
+                self._enter(gen, joined, r.request, r.push, r.carry, r.ids, r.start)
+            except Exception as ex:
+                reading.remove(r)
+                self._refuse(r.request, r.push, "error", ex)
+
+    def _enter(self, gen, joined: Dict[int, Joined], request: Request, push, carry: Optional[Carry],
+               ids: List[int], start):
+        e, s, g = self.engine, self.engine.settings, request.generation
+        try:
             uid = gen.insert(
                 ids, max_tokens=g.max_tokens - (carry.n if carry else 0), params=g.sampling,
                 logits_processors=g.logits_processors(), stop_tokens=e.tokenizer.eos_token_ids,

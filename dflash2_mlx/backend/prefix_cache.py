@@ -22,6 +22,7 @@ import collections
 import ctypes
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -245,17 +246,32 @@ class PrefixCache:
     @staticmethod
     def _advance(start: Start, ids: Sequence[int], model, step: int = 2048):
         """Run ``ids[start.tokens:]`` into the caches (features to the draft context)."""
+        for _ in PrefixCache.advance_steps(start, ids, model, seconds=1e9, first=step, most=step):
+            pass
+
+    @staticmethod
+    def advance_steps(start: Start, ids: Sequence[int], model, seconds: float = 0.25,
+                      first: int = 128, most: int = 2048):
+        """``_advance`` a chunk at a time, yielding after each: chunks are sized from the last
+        one's time so that each takes about ``seconds`` (from ``first`` tokens, at most
+        ``most``), so a request's prefill takes turns with other requests' steps and a
+        request given up stops within one chunk."""
         target = attach(model, start.context.drafter) if start.context is not None else None
-        rest = mx.array(ids[start.tokens:], dtype=mx.uint32)
-        for i in range(0, rest.size, step):
-            chunk = rest[None, i: i + step]
+        step = first
+        while start.tokens < len(ids):
+            tic = time.perf_counter()
+            end = min(len(ids), start.tokens + step)
+            chunk = mx.array(ids[start.tokens: end], dtype=mx.uint32)[None]
             if start.context is not None:
                 _, features = target(chunk, start.cache)
                 start.context.add(features)
             else:
                 model(chunk, cache=start.cache)
             mx.eval([c.state for c in start.cache])
-        start.tokens = len(ids)
+            took = time.perf_counter() - tic
+            step = max(16, min(most, int((end - start.tokens) * seconds / max(took, 1e-4))))
+            start.tokens = end
+            yield
 
     # Storing ---------------------------------------------------------------------------
     def store(self, tokens: Sequence[int], start: Start):

@@ -25,6 +25,9 @@ log = logging.getLogger("dflash2_mlx.engine")
 SCORED_PLAIN_MAX = 16
 # The memory tier a handover keeps its caches in when the engine's is off: room for any.
 UNBOUNDED = 1 << 62
+# A prompt is read in chunks of about this many seconds, each a step of the worker: other
+# requests decode between them, and a request given up stops within one.
+PREFILL_CHUNK_SECONDS = 0.25
 
 
 class Carry:
@@ -78,6 +81,8 @@ class SoloStream:
         self.decoding: dict = {}  # how it is decoded, as the client is told (ModelSettings.engine)
         self.reply: Optional[Reply] = None
         self.emitted: List[int] = []
+        self.chunked = False  # whether its prompt is read in steps before its stream starts
+        self.prefill_seconds = 0.0
 
     def steps(self):
         e, request, push = self.engine, self.request, self.push
@@ -94,8 +99,10 @@ class SoloStream:
         try:  # everything that can fail inside: a failure must still end the request (below)
             if e.lockstep is not None:  # the other ranks run it too (distributed/follow.py)
                 e.lockstep.announce(e, request)
-            gen = self._generator()
-            if gen is not None:
+            if self._begin():
+                if (yield from self._prefill()):  # given up while its prompt was read
+                    return
+                gen = self._stream()
                 yield from self._relay(gen)
         except Exception as ex:
             self.finish = "error"
@@ -105,9 +112,9 @@ class SoloStream:
                 gen.close()
             self._close()
 
-    def _generator(self):
-        """Its start (the scoring pass's caches, or the prefix cache's) and its token
-        generator; None when it generates nothing (a prompt scored alone)."""
+    def _begin(self) -> bool:
+        """Its start (the scoring pass's caches, or the prefix cache's); False when it
+        generates nothing (a prompt scored alone)."""
         e, s, request, g = self.engine, self.settings, self.request, self.request.generation
         self.mode = s.verify_mode(self.n_prompt)
         self.decoding = s.engine(self.n_prompt)
@@ -120,7 +127,7 @@ class SoloStream:
         if g.max_tokens == 0:  # scored, not continued
             self.finish = "length"
             self.push(Chunk(finish_reason="length", prompt_tokens=self.n_prompt, engine=self.decoding))
-            return None
+            return False
         # Plain decoding shows its penalties only the uncached tokens: no reuse with them.
         reuse = drafting or not set(g.penalties) - {"logit_bias"}
         if (scored is not None and reuse and all(c.is_trimmable() for c in scored)
@@ -133,6 +140,37 @@ class SoloStream:
         else:
             self.start = e.prefix_cache.start(request.ids, e.model, e.drafter if drafting else None,
                                               s.draft_window, reuse=reuse, sink=s.draft_sink)
+        # Penalties of plain decoding see only the uncached tokens (no reuse, no steps); the
+        # ranks of a split target read the prompt in one go, together.
+        self.chunked = reuse and e.lockstep is None
+        return True
+
+    def _prefill(self):
+        """The prompt but its last token into the start's caches, a chunk a step (the
+        last token is the stream's own, so its first token comes from fresh logits).  A
+        generator; returns True when the request was given up meanwhile."""
+        e, request = self.engine, self.request
+        if not self.chunked:
+            return False
+        tic = time.perf_counter()
+        for _ in e.prefix_cache.advance_steps(self.start, request.ids[:-1], e.model,
+                                              seconds=PREFILL_CHUNK_SECONDS):
+            self.prefill_seconds += time.perf_counter() - tic
+            yield
+            tic = time.perf_counter()
+            if request.aborted.is_set():
+                self.finish = "abort"
+                self.push(Chunk(finish_reason="abort", prompt_tokens=self.n_prompt,
+                                cached_tokens=self.start.reused, engine=self.decoding))
+                return True
+            if self.solo and e.batching.handover_wanted():  # another request must not wait for it
+                self.finish = "handover"  # what it has read goes with it (``_close``)
+                return True
+        return False
+
+    def _stream(self):
+        """Its token generator, from the start's caches."""
+        e, s, request, g = self.engine, self.settings, self.request, self.request.generation
         return stream_generate(
             e.model, e.tokenizer, request.ids, e.drafter, max_tokens=g.max_tokens, **asdict(g.sampling),
             logits_processors=g.logits_processors(), block_size=s.dflash_block_size,
@@ -192,7 +230,7 @@ class SoloStream:
             n = self.n
             e.stats.add(
                 prompt_tokens=self.n_prompt, generation_tokens=n,
-                prompt_seconds=self.n_prompt / last.prompt_tps if last.prompt_tps else 0.0,
+                prompt_seconds=self.prefill_seconds + (self.n_prompt / last.prompt_tps if last.prompt_tps else 0.0),
                 generation_seconds=n / last.generation_tps if last.generation_tps else 0.0,
                 cycles=last.cycles, tau=last.tau, position_accepted=last.acceptance_counts,
                 block_sizes=last.block_sizes, fallback=last.fallback,

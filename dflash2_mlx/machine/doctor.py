@@ -81,3 +81,26 @@ def run_doctor(echo=print) -> list:
     for r in rows:
         echo(f"  {r['variant']}\n      path: {r['path']}  self-check: {r['self_check']}")
     return rows
+
+
+def exactness_report(model: Optional[str] = None, measure: bool = False, echo=print):
+    """Whether the target's verify passes are row-exact here (``loop/exactness.py``): the
+    kept verdict, or with ``measure`` a fresh probe (kept for later runs)."""
+    import mlx_lm
+
+    from ..loop import exactness
+    from ..model.checkpoint import resolve
+
+    if model is None:
+        from ..builtin.smollm2 import default_target_path
+
+        model = str(default_target_path())
+    target, _ = mlx_lm.load(str(resolve(model)))
+    verdict = exactness.verdict(target, refresh=True) if measure else exactness.known(target)
+    if verdict is None:
+        echo("verify rows: not probed on this machine for this target (dflash2-mlx doctor --exact)")
+        return None
+    echo(f"verify rows ({verdict.dtype}, rows {verdict.rows[0]}..{verdict.rows[-1]}): {verdict.describe()}"
+         + ("" if verdict.exact else f"; {verdict.differing:.0%} of logits differ; greedy output is "
+            "plain decoding's with --exact (one-row verify), else it may leave it at a near-tie"))
+    return verdict

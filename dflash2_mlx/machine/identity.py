@@ -17,7 +17,9 @@ def identity() -> dict:
             "blas": os.path.basename(os.environ.get("LD_PRELOAD", "")),
             "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")}
     if mx.metal.is_available():
-        info["gpu"] = mx.metal.device_info().get("device_name", "")
+        # mx.device_info() since mlx 0.32 (mx.metal.device_info() warns there).
+        info_of = getattr(mx, "device_info", None) or mx.metal.device_info
+        info["gpu"] = info_of().get("device_name", "")
     return info
 
 

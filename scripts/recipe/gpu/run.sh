@@ -5,6 +5,7 @@
 #
 #   bash scripts/recipe/gpu/run.sh CARRY_DIR        (on the GPU machine, from the checkout)
 #   DEVICE=cpu INSTALL=0 TOY=1 OUT=/tmp/gpu-out bash scripts/recipe/gpu/run.sh .carry   (rehearsal)
+#   DATA=docs/results/gpu-2026-12-04/data.jsonl.xz ... run.sh CARRY_DIR   (reuse a dataset: train only)
 #
 # CARRY_DIR holds the payload's parts (prepare.sh).  Every phase has a time budget in seconds
 # (the variables below) and the script ends within their sum plus setup; the results go to
@@ -23,7 +24,7 @@ TOY=${TOY:-0}
 if (( TOY )); then   # the same script at a size this CPU runs in minutes
     : "${MAGPIE_N:=16}" "${MAGPIE_BATCH:=8}" "${GEN_BATCH:=8}" "${GEN_MAX_TOKENS:=24}" "${PROMPT_LIMIT:=48}"
     : "${T0_SECONDS:=60}" "${T1_SECONDS:=30}" "${MAGPIE_SECONDS:=30}" "${TRAIN_SECONDS:=30}"
-    : "${PROBE_SECONDS:=120}" "${PROBE_PROMPTS:=1}"
+    : "${PROBE_SECONDS:=120}" "${PROBE_PROMPTS:=1}" "${TIMING_STEPS:=8}"
     : "${TRAIN_BATCH:=4}" "${VAL_RECORDS:=4}" "${EVAL_LIMIT:=1}" "${EVAL_TOKENS:=12}" "${EVAL_SECONDS:=120}"
 fi
 MAGPIE_N=${MAGPIE_N:-8192}; MAGPIE_BATCH=${MAGPIE_BATCH:-512}; MAGPIE_SECONDS=${MAGPIE_SECONDS:-45}
@@ -31,8 +32,8 @@ PROBE_SECONDS=${PROBE_SECONDS:-55}; PROBE_PROMPTS=${PROBE_PROMPTS:-10}
 GEN_BATCH=${GEN_BATCH:-256}; GEN_MAX_TOKENS=${GEN_MAX_TOKENS:-256}; PROMPT_LIMIT=${PROMPT_LIMIT:-1000000}
 T0_SECONDS=${T0_SECONDS:-110}; T1_SECONDS=${T1_SECONDS:-50}
 TRAIN_SECONDS=${TRAIN_SECONDS:-190}; TRAIN_BATCH=${TRAIN_BATCH:-64}; LR=${LR:-1.5e-3}
-VAL_RECORDS=${VAL_RECORDS:-128}
-EVAL_LIMIT=${EVAL_LIMIT:-3}; EVAL_TOKENS=${EVAL_TOKENS:-48}; EVAL_SECONDS=${EVAL_SECONDS:-75}
+VAL_RECORDS=${VAL_RECORDS:-128}; TIMING_STEPS=${TIMING_STEPS:-30}
+EVAL_LIMIT=${EVAL_LIMIT:-2}; EVAL_TOKENS=${EVAL_TOKENS:-48}; EVAL_SECONDS=${EVAL_SECONDS:-120}
 mkdir -p "$OUT" "$W"
 exec > >(tee -a "$OUT/run.log") 2>&1
 T_START=$(date +%s)
@@ -82,6 +83,11 @@ PYEOF
 TARGET=$W/home/SmolLM2-135M-Instruct
 echo "setup $(( $(date +%s) - T_START )) s" >> "$W/timings.txt"
 
+if [[ -n ${DATA:-} ]]; then  # a dataset made before (e.g. docs/results/gpu-*/data.jsonl.xz): train only
+    phase "dataset $DATA"
+    if [[ $DATA == *.xz ]]; then xz -dc "$DATA" > "$W/data.jsonl"; else cp "$DATA" "$W/data.jsonl"; fi
+    python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; json.dump({'records': len(r), 'response_tokens': sum(len(x['response_ids']) for x in r), 'reused': sys.argv[2]}, open(sys.argv[3], 'w'))" "$W/data.jsonl" "$DATA" "$W/stats.json"
+else
 # The GPU is far from busy with one 135M model: the target answers the prompts made on the
 # CPU at T=0 while, beside it, it writes prompts of its own (Magpie) and the exactness probe
 # runs; then it answers its own prompts and the rest at T=1.
@@ -126,6 +132,7 @@ stats = {"records": len(recs), "records_T0": len(t0), "records_T1": len(t1),
          "prompt_tokens": sum(len(r["prompt_ids"]) for r in recs)}
 json.dump(stats, open(sys.argv[4], "w"), indent=1); print(stats)
 PYEOF
+fi
 logs
 ( xz -T4 -c "$W/data.jsonl" > "$W/data.jsonl.xz" && split -b $PART -d -a 1 "$W/data.jsonl.xz" "$OUT/data.jsonl.xz.part-" ) &
 XZ=$!
@@ -134,16 +141,20 @@ TRAIN=(train --data "$W/data.jsonl" --model "$TARGET" --device "$DEVICE" --init 
        --batch-size "$TRAIN_BATCH" --max-anchors 32 --max-len 448 --min-block-size 3 --distill 1
        --lr "$LR" --seed 31 --val-records "$VAL_RECORDS" --log-every 25)
 phase "training: the step time, then $TRAIN_SECONDS s"
-timed timing 120 "${DF[@]}" "${TRAIN[@]}" --out "$W/timing" --steps 100000 --max-seconds 12 --log-every 1 --val-every 100000 --restart
+# The step time, from a short run: the first steps on a fresh machine include minutes of
+# CUDA warm-up (60 s for the first step on 2026-12-04), so the median of the later ones.
+TIMING=(--out "$W/timing" --steps 100000 --stop-after "$TIMING_STEPS" --log-every 1 --val-every 100000 --restart)
+timed timing 240 "${DF[@]}" "${TRAIN[@]}" "${TIMING[@]}"
 if [[ ! -s $W/timing/log.jsonl ]]; then  # e.g. out of memory: a quarter of the batch
     TRAIN_BATCH=$(( TRAIN_BATCH / 4 > 1 ? TRAIN_BATCH / 4 : 1 ))
     TRAIN+=(--batch-size "$TRAIN_BATCH")  # the last of a repeated option wins
-    timed timing-retry 120 "${DF[@]}" "${TRAIN[@]}" --out "$W/timing" --steps 100000 --max-seconds 12 --log-every 1 --val-every 100000 --restart
+    timed timing-retry 240 "${DF[@]}" "${TRAIN[@]}" "${TIMING[@]}"
 fi
 STEPS=$(python3 - "$W/timing/log.jsonl" "$TRAIN_SECONDS" <<'PYEOF'
 import json, sys
-secs = sorted(json.loads(l)["sec"] for l in open(sys.argv[1]))
-per = secs[len(secs) // 2]  # the median step: the first ones compile
+secs = [json.loads(l)["sec"] for l in open(sys.argv[1])]
+secs = secs[5:] or secs[1:] or secs
+per = sorted(secs)[len(secs) // 2]
 print(max(20, int(float(sys.argv[2]) / per)))
 PYEOF
 ) || STEPS=200

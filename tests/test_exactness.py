@@ -1,0 +1,138 @@
+"""The exactness probe and exact=True: a target whose verify pass sums in another order than
+its one-row decode step (as a GPU kernel chosen by row count does) is reported not row-exact,
+may leave plain decoding's greedy path by default, and gives plain decoding's tokens exactly
+with exact=True."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import pytest
+
+import dflash2_mlx as d
+from dflash2_mlx.generate import stats_line
+from dflash2_mlx.loop import exactness
+from dflash2_mlx.loop.cycle import prefill
+from dflash2_mlx.loop.target import attach
+from helpers import plain_tokens
+from tiny_models import make_drafter, make_target
+
+PROMPTS = ["abcab dcba", "dd", "a b c", "cab", "bbbb a", "dcdc", "ab ba", "c"]
+TOKENS = 24
+
+
+class SplitSumLinear(nn.Linear):
+    """A Linear whose product over several rows adds two half-width partial products, each
+    rounded to bf16 first (a split-K kernel with bf16 partials); over one row, MLX's own.
+    Another, legitimate summation order: the rows agree with one-row steps only roughly."""
+
+    def __call__(self, x):
+        if x.ndim < 2 or x.shape[-2] == 1:
+            return super().__call__(x)
+        h, w = x.shape[-1] // 2, self.weight
+        y = ((x[..., :h] @ w[:, :h].T).astype(mx.bfloat16).astype(mx.float32)
+             + (x[..., h:] @ w[:, h:].T).astype(mx.bfloat16).astype(mx.float32))
+        return y + self.bias if "bias" in self else y
+
+
+def split_sums(model):
+    for _, m in model.named_modules():
+        if type(m) is nn.Linear:
+            m.__class__ = SplitSumLinear
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exact")
+    make_target(root / "t", "qwen3", alphabet="abcd", seed=3)
+    make_drafter(root / "d", root / "t", version=2, seed=11)
+    model, tok, drafter = d.load(str(root / "t"), str(root / "d"))
+    return root, model, tok, drafter
+
+
+def test_probe_says_exact_for_mlx_own_passes_and_not_for_another_summation_order(pair):
+    root, model, _, _ = pair
+    plain = exactness.probe(model, rows=[2, 5, 8])
+    assert plain.rows == [2, 5, 8] and plain.rows_compared == 15
+    # This CPU without a BLAS that switches kernels by row count: MLX's passes are row-exact
+    # for this small fp32 model, or the probe says by how much they are not.
+    assert plain.exact == (plain.max_abs_diff == 0.0)
+    other, _ = mlx_lm.load(str(root / "t"))
+    v = exactness.probe(split_sums(other), rows=[2, 5, 8])
+    assert not v.exact and v.inexact_rows == [2, 5, 8]
+    assert 0 < v.max_abs_diff < 1.0 and 0 < v.differing <= 1.0
+    assert v.describe().startswith("not row-exact on this machine (max |d| ")
+
+
+def test_verdict_is_measured_once_and_kept(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    root, model, _, _ = pair
+    assert exactness.known(model) is None
+    calls = []
+    real = exactness.probe
+    monkeypatch.setattr(exactness, "probe", lambda m: calls.append(1) or real(m, rows=[2, 3]))
+    first = exactness.verdict(model)
+    again = exactness.verdict(model)
+    assert calls == [1] and again == first == exactness.known(model)
+    assert list((tmp_path / "adaptive").glob("exact-*.json"))
+
+
+def test_exact_restores_plain_decoding_where_the_default_leaves_it(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    root, _, tok, drafter_src = pair
+    model, _ = mlx_lm.load(str(root / "t"))
+    split_sums(model)
+    drafter = d.load(str(root / "t"), str(root / "d"))[2]
+    diverged = 0
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        ref = plain_tokens(model, ids, TOKENS)
+        runs = {}
+        for exact in (True, False):  # the first measures the verdict the second reports
+            out = list(d.stream_generate(model, tok, ids, drafter, max_tokens=TOKENS, block_size=5,
+                                         exact=exact, lookup=False))
+            runs[exact] = out
+        # stream_generate stops at an end token, as mlx_lm.generate does; generate_step does not.
+        same = lambda out: [r.token for r in out] == ref[: len(out)] and (
+            len(out) == TOKENS or out[-1].token in tok.eos_token_ids)
+        assert same(runs[True]), f"exact=True left plain decoding on {text!r}"
+        diverged += not same(runs[False])
+        assert runs[True][-1].exactness.startswith("exact (one-row verify: passes here are not row-exact")
+        assert runs[False][-1].exactness.startswith("not row-exact on this machine")
+        assert ("verify rows: exact (one-row" in stats_line(runs[True][-1])) == (runs[True][-1].cycles > 0)
+    # The other summation order is not a harmless one: somewhere the default's greedy text is
+    # not plain decoding's (the issue users meet on GPUs).
+    assert diverged > 0
+
+
+def test_exact_costs_nothing_where_passes_are_row_exact(pair, tmp_path, monkeypatch):
+    """A kept verdict of "exact": exact=True keeps the one-pass verify (and says "exact")."""
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    root, model, tok, drafter = pair
+    exactness.store.write(exactness.store.cache_dir() / f"exact-{exactness._key(model)}.json",
+                          exactness.Verdict(exact=True, rows=[2]).to_json())
+    passes = []
+    target_call = type(attach(model, drafter)).one_row_steps
+    monkeypatch.setattr(type(attach(model, drafter)), "one_row_steps",
+                        lambda self, ids, cache: passes.append(1) or target_call(self, ids, cache))
+    ids = tok.encode(PROMPTS[0])
+    out = list(d.stream_generate(model, tok, ids, drafter, max_tokens=TOKENS, block_size=5, exact=True))
+    assert [r.token for r in out] == plain_tokens(model, ids, TOKENS)[: len(out)]
+    assert passes == [] and out[-1].exactness == "exact"
+
+
+def test_exact_prefill_is_chunked_as_mlx_lm_chunks_it(pair):
+    """The prompt but its last token in prefill-step chunks, then that token alone: the cache
+    and the first logits come from the same passes as mlx-lm's generate_step."""
+    _, model, tok, drafter = pair
+    target = attach(model, drafter)
+    target.exact = True
+    seen = []
+    real = type(target).__call__
+    type(target).__call__ = lambda self, ids, cache: seen.append(ids.shape[1]) or real(self, ids, cache)
+    try:
+        prefill(target, mx.array(tok.encode("abcab dcba abcd")), target.make_cache(), step=4)
+    finally:
+        type(target).__call__ = real
+    n = len(tok.encode("abcab dcba abcd"))
+    assert seen == [4] * ((n - 1) // 4) + ([(n - 1) % 4] if (n - 1) % 4 else []) + [1]
