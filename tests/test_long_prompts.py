@@ -1,0 +1,133 @@
+"""Long prompts take turns: a prompt is read a time-bounded chunk a step of the worker, so a
+request given up while its prompt is read stops within one chunk, and a short request that
+comes meanwhile is answered before the long prompt is read (its single stream hands over to
+the batch, which reads it a chunk between cycles).  Chunks are made tiny here, so that the
+tiny model's prompt takes many of them."""
+
+import asyncio
+
+import pytest
+
+from dflash2_mlx.backend import batch_job, solo
+from dflash2_mlx.backend.engine import Engine
+from dflash2_mlx.backend.prefix_cache import PrefixCache
+from dflash2_mlx.backend.settings import ModelSettings
+from tiny_models import make_drafter, make_target, on_worker, worker_reference
+
+NO_EOS = {1: -100.0}
+LONG = 3000  # prompt tokens: with chunks of 16 tokens at least, up to ~190 chunks
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("long")
+    target = on_worker(make_target, root / "t")
+    drafter = on_worker(make_drafter, root / "d", target)
+    return target, drafter
+
+
+@pytest.fixture
+def chunks_read(monkeypatch):
+    """Chunks of a prompt read so far (each a worker step), counted."""
+    count = [0]
+    real = PrefixCache.advance_steps
+
+    def counted(*a, **kw):
+        for _ in real(*a, **kw):
+            count[0] += 1
+            yield
+
+    monkeypatch.setattr(PrefixCache, "advance_steps", staticmethod(counted))
+    monkeypatch.setattr(solo, "PREFILL_CHUNK_SECONDS", 1e-6)
+    monkeypatch.setattr(batch_job, "PREFILL_CHUNK_SECONDS", 1e-6)
+    return count
+
+
+def engine_of(pair, **settings):
+    target, drafter = pair
+    return Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter), **settings),
+                  model_id="tiny", max_queue=4, max_batch=4)
+
+
+def long_ids(n=LONG):
+    return [3 + (i * 7) % 11 for i in range(n)]
+
+
+async def until(cond, timeout=60.0):
+    for _ in range(int(timeout / 0.005)):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.parametrize("cache_gb", [0, 0.064])  # the prefix cache off and on
+def test_a_request_given_up_while_its_prompt_is_read_stops_within_a_chunk(pair, chunks_read, cache_gb):
+    async def scenario():
+        e = engine_of(pair, prefix_cache_gb=cache_gb)
+        await e.start()
+        try:
+            stream = e.stream_ids(long_ids(), request_id="long", max_tokens=8, logit_bias=NO_EOS)
+            task = asyncio.ensure_future(asyncio.wait_for(_last(stream), 60))
+            await until(lambda: chunks_read[0] >= 3)
+            assert e.abort("long") == 1
+            at_abort = chunks_read[0]
+            last = await task
+            await until(lambda: not e.has_active_requests(), 10)
+            return at_abort, chunks_read[0], last, e.get_stats()
+        finally:
+            await e.stop()
+
+    at_abort, after, last, stats = asyncio.run(scenario())
+    assert after <= at_abort + 1, f"{after - at_abort} chunks read after the abort"
+    assert last.finish_reason == "abort" and last.completion_tokens in (0, None)
+    assert stats["aborted_requests"] == 1
+
+
+def test_a_short_request_is_answered_while_a_long_prompt_is_read(pair, chunks_read):
+    async def scenario():
+        e = engine_of(pair)
+        await e.start()
+        try:
+            long = asyncio.ensure_future(asyncio.wait_for(
+                _last(e.stream_ids(long_ids(), max_tokens=4, logit_bias=NO_EOS)), 120))
+            await until(lambda: chunks_read[0] >= 2)
+            short = await asyncio.wait_for(_last(e.stream_ids([3, 4, 5], max_tokens=3, logit_bias=NO_EOS)), 60)
+            read_when_short_ended = chunks_read[0]
+            done_long = await long
+            return short, read_when_short_ended, chunks_read[0], done_long
+        finally:
+            await e.stop()
+
+    short, read_then, read_in_all, long = asyncio.run(scenario())
+    assert short.finish_reason == "length" and short.completion_tokens == 3
+    assert read_then < read_in_all, "the short request waited for the whole long prompt"
+    assert long.finish_reason == "length" and long.completion_tokens == 4
+
+
+def test_a_prompt_read_in_chunks_gives_the_same_tokens(pair, chunks_read):
+    """Greedy output is generate()'s, whether the prompt was read at once or in chunks."""
+    target, drafter = pair
+    reference = worker_reference(target, drafter)
+    ids = long_ids(600)
+
+    async def scenario():
+        e = engine_of(pair)
+        await e.start()
+        try:
+            out = [c async for c in e.stream_ids(ids, max_tokens=12)]
+            return out
+        finally:
+            await e.stop()
+
+    out = asyncio.run(scenario())
+    assert chunks_read[0] > 5
+    text = "".join(c.text for c in out)
+    assert text == reference(ids, max_tokens=12)
+
+
+async def _last(chunks):
+    last = None
+    async for c in chunks:
+        last = c
+    return last
