@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step, wired_limit
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -239,9 +239,11 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
     try:
-        for r in _responses(tokens, tokenizer, ids, limit, tic, continues):
-            r.exactness = exact_note
-            yield r
+        # As mlx-lm's stream_generate: on Metal the weights stay wired while it decodes.
+        with wired_limit(model):
+            for r in _responses(tokens, tokenizer, ids, limit, tic, continues):
+                r.exactness = exact_note
+                yield r
     finally:
         tokens.close()  # now, not when collected: a prompt_cache is settled before this returns
         adaptive.remember(policy)

@@ -64,7 +64,8 @@ inline uint dflash_walk_step(Row row, float temperature, float u, device float* 
   }
   float total = 0.0f;
   for (uint j = 0; j < K; ++j) {
-    const float e = metal::exp(dflash_walk_score(row[j], temperature) - top);
+    // precise::exp: under fast math, recent macOS may resolve metal::exp to the fast variant.
+    const float e = metal::precise::exp(dflash_walk_score(row[j], temperature) - top);
     q[j] = e;
     total += e;
   }

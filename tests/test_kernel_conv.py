@@ -59,6 +59,18 @@ def test_conv_with_fma_contraction_stays_within_one_ulp_of_the_twin():
     assert differ > 0  # contraction really happened: the exact match is not promised
 
 
+def test_conv_bound_admits_fp32_taps_and_rejects_a_wrong_tap():
+    """A compiler that keeps ``base + dyn`` (and the products) in fp32 and rounds once at the
+    end is within the self-check's bound; a conv that drops a tap is not."""
+    for name in ("bf16 published H5120 B5",):
+        x, dyn, base = CONV_CASES[name]
+        wide = dynamic_conv_reference(*(a.astype(mx.float32) for a in (x, dyn, base))).astype(x.dtype)
+        assert not mx.array_equal(wide, dynamic_conv_reference(x, dyn, base)).item()
+        assert kernels.conv_problem(wide, x, dyn, base) == ""
+        wrong = dynamic_conv_reference(x, dyn.at[..., 1, :].multiply(0.0), base)
+        assert kernels.conv_problem(wrong, x, dyn, base) != ""
+
+
 @pytest.mark.metal
 @pytest.mark.skipif(not mx.metal.is_available(), reason=NO_METAL)
 @pytest.mark.parametrize("name", list(CONV_CASES))

@@ -279,7 +279,7 @@ def test_models_cli_sets_shows_lists_and_checks(tmp_path, pair):
     r = run(app, ["models", "show", "Qwen3-4B", "--settings", str(path)])
     assert json.loads(r.output)["dflash_draft_model"] == str(drafter)
     r = run(app, ["models", "list", "--settings", str(path)])
-    assert r.exit_code == 0 and f"Qwen3-4B\tdflash\t{drafter}" in r.output and "other\tplain" in r.output
+    assert r.exit_code == 0 and f"Qwen3-4B\tdflash\t{drafter.name}\t" in r.output and "other\tplain" in r.output
     r = run(app, ["models", "check", "Qwen3-4B", str(target), "--settings", str(path)])
     assert r.exit_code == 0 and r.output.startswith("compatible")
     r = run(app, ["models", "unset", "Qwen3-4B", "dflash_enabled", "--settings", str(path)])
@@ -301,11 +301,11 @@ def test_models_cli_refuses_values_the_drafter_cannot_take(tmp_path, pair):
     r = run(app, ["models", "set", "m", "model_alias=tiny", "is_default=true", "--settings", str(path)])
     assert r.exit_code == 0, r.output
     r = run(app, ["models", "list", "--settings", str(path)])
-    assert f"m\tdflash\t{drafter}\tblock 4\talias tiny\tdefault\n" in r.output
+    assert f"m\tdflash\t{drafter.name}\tblock 4\talias tiny\tdefault\n" in r.output
     # The built-in model is listed as `serve` runs it: with its shipped drafter, block size auto.
     assert "SmolLM2-135M-Instruct\tdflash\t" in r.output and "smollm2-135m-dflash2\tblock auto" in r.output
     r = run(app, ["models", "show", "m", "--settings", str(path)])
-    assert json.loads(r.output)["engine"] == {"dflash": True, "drafter": str(drafter),
+    assert json.loads(r.output)["engine"] == {"dflash": True, "drafter": drafter.name,
                                               "verify_mode": "dflash", "block_size": 4}
     r = run(app, ["models", "show", "Nope", "--settings", str(path)])
     assert r.exit_code != 0 and "Nope" in r.output and "{}" not in r.output

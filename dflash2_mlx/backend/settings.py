@@ -269,7 +269,8 @@ class ModelSettings:
         if mode != "off":
             fixed = mode == "dflash" and self.dflash_block_size is not None
             block = self.dflash_block_size if fixed else "auto"
-        return {"dflash": mode != "off", "drafter": self.draft, "verify_mode": mode, "block_size": block}
+        return {"dflash": mode != "off", "drafter": drafter_name(self.draft), "verify_mode": mode,
+                "block_size": block}
 
     def check_drafter(self, model_path=None):
         """Raise SettingsError (naming the field) when the drafter cannot work as set: a
@@ -417,3 +418,12 @@ class SettingsStore:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def drafter_name(draft: Optional[str]) -> Optional[str]:
+    """The drafter as clients are told it: a local directory by its name (never the
+    server's filesystem path), a hub id as it is."""
+    if draft is None:
+        return None
+    path = Path(draft).expanduser()
+    return path.name if path.is_absolute() or path.exists() else draft

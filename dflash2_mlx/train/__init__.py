@@ -19,7 +19,7 @@ import mlx_lm
 
 from ..eval.report import pyplot, save_figure
 from ..loop.target import model_args
-from ..model.checkpoint import load_drafter, resolve, validate_pair
+from ..model.checkpoint import dequantize, load_drafter, resolve, validate_pair
 from . import data as data_mod
 from . import trainer
 from .device import choose as choose_device, prepare_target
@@ -88,6 +88,9 @@ def train_drafter(target: str, out_dir, data, *, prompts=None, init: Optional[st
         say(f"resuming from {latest_checkpoint(out_dir)}")
     elif init is not None:
         drafter = load_drafter(init, target=model)
+        # A quantized drafter (the shipped ones, 8-bit) stays quantized where Metal runs it,
+        # and MLX trains no quantized weight: train from its dequantized weights everywhere.
+        dequantize(drafter)
         if drafter.version == 1 and version == 2:
             drafter = warm_start_v2(drafter, selector_rank=selector_rank,
                                     selector_top_k=selector_top_k, seed=config.seed)

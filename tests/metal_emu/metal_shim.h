@@ -8,7 +8,7 @@
 // - uint, uint3, MLX's dtype names (float16_t/half and bfloat16_t/bfloat) with
 //   round-to-nearest-even conversions and per-operation rounding, as on the GPU and
 //   in MLX's CPU ops;
-// - the metal:: functions the kernels use (exp, max, min, numeric_limits);
+// - the metal:: functions the kernels use (exp, precise::exp, max, min, numeric_limits);
 // - threadgroup_barrier, by running each threadgroup's threads as fibers that all
 //   reach the same barrier call site before any passes it; a barrier must fence device
 //   memory, or threadgroup memory in a kernel that declares some;
@@ -154,6 +154,9 @@ struct numeric_limits {
 };
 
 inline float exp(float x) { return std::exp(x); }
+namespace precise {
+inline float exp(float x) { return std::exp(x); }
+}  // namespace precise
 inline float log(float x) { return std::log(x); }
 inline float abs(float x) { return std::fabs(x); }
 inline bool isnan(float x) { return std::isnan(x); }

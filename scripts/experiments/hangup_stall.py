@@ -1,0 +1,106 @@
+"""Does a client that hangs up during a long prompt hold the server up?
+
+The scenario of issue 48, through `dflash2-mlx serve` on the built-in pair: a streamed chat
+whose user message is --words words of text (CPython's own docs, from the standard library's
+docstrings), the connection dropped after --hangup seconds; at once a short request ("Hi",
+max_tokens 3). Prints when the short request's reply came, when /health stopped reporting
+active requests, and then the same for a long prompt that is *not* given up (a short request
+sent while it is read: how long it waited).
+
+    python scripts/experiments/hangup_stall.py [--words 6000] [--hangup 2]
+"""
+
+import argparse
+import ast
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def text_of(words: int) -> str:
+    out = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text())
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    out += doc.split()
+        if len(out) >= words:
+            break
+    return " ".join(out[:words])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def short(base: str) -> float:
+    tic = time.perf_counter()
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    r.raise_for_status()
+    return time.perf_counter() - tic
+
+
+def idle_after(base: str, since: float) -> float:
+    while httpx.get(f"{base}/health", timeout=10).json().get("active_requests"):
+        time.sleep(0.05)
+    return time.perf_counter() - since
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--words", type=int, default=6000)
+    ap.add_argument("--hangup", type=float, default=2.0)
+    args = ap.parse_args()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "dflash2_mlx.cli.main", "serve", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        short(base)  # first use: load the pair, calibrate
+        body = {"messages": [{"role": "user", "content": f"Summarize this text.\n\n{text_of(args.words)}"}],
+                "max_tokens": 32, "stream": True}
+        # 1. A hang-up during the long prompt.
+        with httpx.Client(timeout=600) as client:
+            with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                time.sleep(args.hangup)
+        hung_up = time.perf_counter()
+        print(f"{args.words} words, hung up after {args.hangup:.0f} s: the next short reply took "
+              f"{short(base):.2f} s; /health idle {idle_after(base, hung_up):.2f} s after the hang-up")
+        # 2. A long prompt read to the end, a short request sent meanwhile.
+        done = {}
+        long = threading.Thread(target=lambda: done.setdefault("long", httpx.post(
+            f"{base}/v1/chat/completions", timeout=900, json={**body, "stream": False})))
+        tic = time.perf_counter()
+        long.start()
+        time.sleep(args.hangup)
+        waited = short(base)
+        long.join()
+        print(f"the same prompt answered: {time.perf_counter() - tic:.1f} s; a short request sent "
+              f"{args.hangup:.0f} s into it took {waited:.2f} s")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
