@@ -13,6 +13,7 @@ def register(app: typer.Typer):
 def doctor(
     exact: bool = typer.Option(False, "--exact", help="Also run the exactness probe on the target (verify passes against one-row decode steps), measure it anew and keep its verdict."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target for --exact. Default: the built-in SmolLM2-135M-Instruct."),
+    recalibrate: bool = typer.Option(False, "--recalibrate", help="Forget this machine's measured pass costs and live timings (every pair): the next DFlash request measures them again, e.g. after a calibration taken while the machine was busy."),
 ):
     """Report the BLAS in use (Linux CPU), per kernel the active path and self-check result,
     and whether a verify pass is row-exact on this machine (the kept verdict, or --exact)."""
@@ -20,4 +21,12 @@ def doctor(
     from ..machine.doctor import run_doctor, exactness_report
 
     run_doctor(echo=typer.echo)
+    if recalibrate:
+        from ..adaptive import store
+
+        gone = [p for pattern in ("costs-*.json", "timing-*.json") for p in store.cache_dir().glob(pattern)]
+        for p in gone:
+            p.unlink(missing_ok=True)
+        typer.echo(f"recalibrate: {len(gone)} kept cost and timing file(s) removed from {store.cache_dir()}; "
+                   "the next DFlash request measures again")
     exactness_report(model, measure=exact, echo=typer.echo)

@@ -50,7 +50,10 @@ def serve(
     distributed: Optional[str] = typer.Option(
         None, "--distributed", help="Split the target over mx.distributed ranks (run under mlx.launch): tensor or pipeline. Rank 0 serves HTTP, the others follow it; ONE request at a time in this mode (max_batch 1, one model loaded)."),
 ):
-    """Serve models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    """Serve models over HTTP for OpenAI clients (/v1/chat/completions, /v1/completions,
+    /v1/responses, /v1/models), Anthropic clients (/v1/messages, /v1/messages/count_tokens) and
+    Ollama clients (/api/chat, /api/generate, /api/tags, /api/show, ...); /health, /metrics,
+    /tokenize and /detokenize besides."""
     from dflash2_mlx.backend.pool import EnginePool
     from dflash2_mlx.backend.server import serve as run
     from dflash2_mlx.backend.settings import SettingsError, SettingsStore

@@ -12,11 +12,11 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step, wired_lim
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import adaptive, distributed as dist
+from . import adaptive, distributed as dist, kernels
 from .distributed import agree, fingerprint
 from .loop import exactness
 from .loop.draft_context import DraftContext
-from .model.drafter import Drafter
+from .model.drafter import Drafter, propose
 from .model.checkpoint import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
 from .loop.sampling import SamplingParams
 from .loop.cycle import speculative_generate_step
@@ -95,7 +95,25 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
     if distributed is not None:
         dist.split(model, group, distributed)
         mx.eval(model.parameters())
+    if drafter is not None:
+        warm_kernels(model, drafter)
     return model, tokenizer, drafter
+
+
+def warm_kernels(model, drafter: Drafter, sizes: Optional[Sequence[int]] = None):
+    """On Metal, build and self-check now every kernel variant a single stream launches
+    (each block size 2..the trained size, greedy and sampled), so that no request waits for
+    a compile and a check in the middle of a reply.  Elsewhere (the twins run) nothing."""
+    if kernels.reference_forced() or not kernels.dispatch.metal_usable():
+        return
+    target = attach(model, drafter)
+    feats = mx.zeros((1, 1, len(drafter.config.target_layer_ids) * target.hidden_size))
+    for b in sizes or range(2, drafter.config.block_size + 1):
+        context = DraftContext(drafter)
+        context.add(feats)
+        hidden = drafter(mx.array([[0] + [drafter.config.mask_token_id] * (b - 1)]), context.fed())
+        for params in (SamplingParams(), SamplingParams(temp=1.0)):
+            mx.eval(propose(drafter, hidden, mx.array(0), params))
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt) -> mx.array:

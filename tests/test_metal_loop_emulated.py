@@ -1,6 +1,7 @@
 """The whole DFlash loop with the Metal branch forced on and the emulator standing in for
 Metal: what a first run on a Mac does, with the real launch builders, real drafter shapes,
-every self-check, block sizes 3, 8 and auto, greedy and sampled, bf16 drafter activations.
+every self-check, block sizes 3, 8 and auto, greedy and sampled, bf16 drafter activations;
+every variant is compiled and checked at load (``warm_kernels``), none mid-reply.
 Greedy output must be plain decoding's and a seeded sampled reply the twins' own (the
 kernels match their twins bit for bit); every kernel must have run and passed its check."""
 
@@ -11,6 +12,7 @@ import pytest
 
 import dflash2_mlx as d
 from dflash2_mlx import kernels
+from dflash2_mlx.generate import warm_kernels
 from dflash2_mlx.kernels import dispatch, selfcheck
 from dflash2_mlx.model.checkpoint import set_activation_bits
 from helpers import plain_tokens
@@ -50,6 +52,10 @@ def test_the_loop_on_the_metal_branch_emulated(tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "run_metal", emulated)
     monkeypatch.setattr(selfcheck, "run_metal", emulated)
     monkeypatch.setattr(selfcheck, "results", {})
+    # What load() does on a Mac: every variant a single stream launches, checked up front.
+    warm_kernels(model, drafter)
+    warmed = set(selfcheck.results)
+    assert warmed
     for block in (3, 8, "auto"):
         tokens, last = run(block_size=block)
         assert tokens == ref[: len(tokens)], f"block {block}: greedy output left plain decoding"
@@ -58,6 +64,7 @@ def test_the_loop_on_the_metal_branch_emulated(tmp_path, monkeypatch):
         assert run(block_size=block, temp=1.0, seed=7)[0] == twin_sampled[block], f"block {block} sampled"
     assert calls["dynamic_conv"] > 0
     assert calls["path_selector"] + calls["path_walk"] > 0
+    assert set(selfcheck.results) == warmed, "a variant was first compiled mid-reply"
     checked = selfcheck.checked_variants()
     assert checked and all(c.passed for c in checked), [c for c in checked if not c.passed]
     assert any("bfloat16" in c.variant for c in checked)

@@ -325,6 +325,7 @@ def test_unknown_route_and_method(server):
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = httpx.get(server["base"] + "/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["message"]
+    assert r.headers.get("allow") == "POST"  # the methods it takes (RFC 9110)
 
 
 def test_server_still_serves_after_bad_requests(client, reference):

@@ -2,6 +2,7 @@
 b, each as ``base + slope * context``; measured once per (target, drafter, machine) by
 ``calibrate`` and kept on disk and in memory by ``cost_model``."""
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -193,7 +194,13 @@ def cost_model(target, drafter, key: Optional[str] = None) -> CostModel:
         except (TypeError, KeyError, ValueError, AttributeError):
             costs = None
         if costs is None or time.time() - costs.created > STALE_AFTER_S:
+            # Said, not silent: the first request on a machine waits for it (seconds).
+            print("dflash2-mlx: first use: timing this pair's passes on this machine (once; "
+                  "`dflash2-mlx doctor --recalibrate` measures again) ...", end=" ",
+                  file=sys.stderr, flush=True)
+            tic = time.perf_counter()
             costs = calibrate(target, drafter)
             store.write(path, costs.to_json())
+            print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
         cost_models[key] = costs
     return costs

@@ -104,7 +104,9 @@ def _add_error_handlers(app: FastAPI):
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(request.url.path, APIError(e.status_code, str(e.detail), type=kind))
+        # Its headers stay: a 405 names the methods the route takes (Allow).
+        return error_response(request.url.path, APIError(e.status_code, str(e.detail), type=kind),
+                              headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal(request, e):

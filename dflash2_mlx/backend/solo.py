@@ -234,7 +234,10 @@ class SoloStream:
                 generation_seconds=n / last.generation_tps if last.generation_tps else 0.0,
                 cycles=last.cycles, tau=last.tau, position_accepted=last.acceptance_counts,
                 block_sizes=last.block_sizes, fallback=last.fallback,
-                plain=self.mode == "off" and e.drafter is not None, finish_reason=finish)
+                # A plain fallback is the settings' (dflash_max_ctx), as the reply's engine says;
+                # a short reply to a scored prompt goes on plain by design, not as a fallback.
+                plain=self.settings.verify_mode(self.n_prompt) == "off" and e.drafter is not None,
+                finish_reason=finish)
         else:
             e.stats.add(prompt_tokens=self.n_prompt, finish_reason=finish or "abort")
         self.push(DONE)

@@ -88,7 +88,7 @@ def probe(model, rows: Iterable[int] = ROWS, prompt_tokens: int = 48, seed: int 
     if trimmable:
         for c in cache:
             c.trim(rest.shape[1])
-    v = Verdict(exact=True, rows=rows, dtype=str(one.dtype), device=str(mx.default_device()))
+    v = Verdict(exact=True, rows=rows, dtype=str(one.dtype).split(".")[-1], device=str(mx.default_device()))
     one = one.astype(mx.float32)
     diff_count = total = 0
     for b in rows:

@@ -83,24 +83,35 @@ def run_doctor(echo=print) -> list:
     return rows
 
 
-def exactness_report(model: Optional[str] = None, measure: bool = False, echo=print):
-    """Whether the target's verify passes are row-exact here (``loop/exactness.py``): the
-    kept verdict, or with ``measure`` a fresh probe (kept for later runs)."""
-    import mlx_lm
-
+def exactness_report(model: Optional[str] = None, measure: bool = False, echo=print) -> list:
+    """Whether verify passes are row-exact here (``loop/exactness.py``): the verdicts kept
+    on this machine (no model loaded), or with ``measure`` a fresh probe of ``model`` (the
+    built-in target by default), kept for later runs."""
+    from ..adaptive import store
     from ..loop import exactness
-    from ..model.checkpoint import resolve
 
-    if model is None:
-        from ..builtin.smollm2 import default_target_path
+    if measure:
+        import mlx_lm
 
-        model = str(default_target_path())
-    target, _ = mlx_lm.load(str(resolve(model)))
-    verdict = exactness.verdict(target, refresh=True) if measure else exactness.known(target)
-    if verdict is None:
-        echo("verify rows: not probed on this machine for this target (dflash2-mlx doctor --exact)")
-        return None
-    echo(f"verify rows ({verdict.dtype}, rows {verdict.rows[0]}..{verdict.rows[-1]}): {verdict.describe()}"
-         + ("" if verdict.exact else f"; {verdict.differing:.0%} of logits differ; greedy output is "
-            "plain decoding's with --exact (one-row verify), else it may leave it at a near-tie"))
-    return verdict
+        from ..model.checkpoint import resolve
+
+        if model is None:
+            from ..builtin.smollm2 import default_target_path
+
+            model = str(default_target_path())
+        target, _ = mlx_lm.load(str(resolve(model)))
+        verdicts = [exactness.verdict(target, refresh=True)]
+    else:
+        verdicts = []
+        for path in sorted(store.cache_dir().glob("exact-*.json")):
+            try:
+                verdicts.append(exactness.Verdict(**store.read(path)))
+            except TypeError:
+                continue
+    if not verdicts:
+        echo("verify rows: not probed on this machine (dflash2-mlx doctor --exact [--model M])")
+    for v in verdicts:
+        echo(f"verify rows ({v.dtype} target, rows {v.rows[0]}..{v.rows[-1]}, {v.device}): {v.describe()}"
+             + ("" if v.exact else f"; {v.differing:.0%} of logits differ: greedy output is plain "
+                "decoding's with --exact (one-row verify), else it may leave it at a near-tie"))
+    return verdicts
