@@ -27,7 +27,7 @@ SCORED_PLAIN_MAX = 16
 UNBOUNDED = 1 << 62
 # A prompt is read in chunks of about this many seconds, each a step of the worker: other
 # requests decode between them, and a request given up stops within one.
-PREFILL_CHUNK_SECONDS = 0.25
+PREFILL_CHUNK_SECONDS = 0.5
 
 
 class Carry:

@@ -7,7 +7,7 @@ max_tokens 3). Prints when the short request's reply came, when /health stopped 
 active requests, and then the same for a long prompt that is *not* given up (a short request
 sent while it is read: how long it waited).
 
-    python scripts/experiments/hangup_stall.py [--words 6000] [--hangup 2]
+    python scripts/experiments/hangup_stall.py [--words 4500] [--hangup 2]
 """
 
 import argparse
@@ -62,8 +62,9 @@ def idle_after(base: str, since: float) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--words", type=int, default=6000)
+    ap.add_argument("--words", type=int, default=4500)  # SmolLM2 reads 8,192 tokens at most
     ap.add_argument("--hangup", type=float, default=2.0)
+    ap.add_argument("--alone", action="store_true", help="only time the long prompt, alone on the server")
     args = ap.parse_args()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -79,9 +80,17 @@ def main():
         short(base)  # first use: load the pair, calibrate
         body = {"messages": [{"role": "user", "content": f"Summarize this text.\n\n{text_of(args.words)}"}],
                 "max_tokens": 32, "stream": True}
+        if args.alone:
+            tic = time.perf_counter()
+            r = httpx.post(f"{base}/v1/chat/completions", timeout=900, json={**body, "stream": False})
+            r.raise_for_status()
+            print(f"{r.json()['usage']['prompt_tokens']} prompt tokens, alone: answered in "
+                  f"{time.perf_counter() - tic:.1f} s")
+            return
         # 1. A hang-up during the long prompt.
         with httpx.Client(timeout=600) as client:
             with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200, r.read()
                 time.sleep(args.hangup)
         hung_up = time.perf_counter()
         print(f"{args.words} words, hung up after {args.hangup:.0f} s: the next short reply took "
@@ -95,8 +104,11 @@ def main():
         time.sleep(args.hangup)
         waited = short(base)
         long.join()
-        print(f"the same prompt answered: {time.perf_counter() - tic:.1f} s; a short request sent "
-              f"{args.hangup:.0f} s into it took {waited:.2f} s")
+        r = done["long"]
+        r.raise_for_status()
+        print(f"the same prompt ({r.json()['usage']['prompt_tokens']} tokens) answered: "
+              f"{time.perf_counter() - tic:.1f} s; a short request sent {args.hangup:.0f} s into it "
+              f"took {waited:.2f} s")
     finally:
         server.terminate()
         server.wait(timeout=30)
