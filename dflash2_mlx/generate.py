@@ -285,8 +285,8 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams
     group = dist.group_of(model)
     if group is not None and (block_size == adaptive.AUTO or verify_mode == "adaptive"):
         agree.prepare_costs(target, drafter, group)  # calibrated by all ranks together, or none
-    policy = agree.agreed(_block_policy(target, drafter, block_size, verify_mode, params.greedy, seed),
-                          group)
+    policy = agree.agreed(_block_policy(target, drafter, block_size, verify_mode, params.greedy, seed,
+                                        one_row), group)
     return policy, speculative_generate_step(
         ids, target, drafter, max_tokens=limit, params=params, block_size=policy,
         draft_window=draft_window, draft_sink=draft_sink, prompt_cache=prompt_cache,
@@ -306,13 +306,17 @@ def exactness_of(model, exact: bool) -> Tuple[str, bool]:
     return verdict.describe(), False
 
 
-def _block_policy(target, drafter: Drafter, block_size, verify_mode: str, greedy: bool, seed: Optional[int]):
+def _block_policy(target, drafter: Drafter, block_size, verify_mode: str, greedy: bool, seed: Optional[int],
+                  one_row: bool = False):
     """The block-size policy of one request (``adaptive.policy``).  "auto" measures the
     machine's costs on a pair's first request (``adaptive.calibrate``).  Sampling with a seed
     starts without the pair's history (same seed and costs, same text); greedy text is the
-    target's whatever the block sizes, so it always uses it."""
+    target's whatever the block sizes, so it always uses it.  ``one_row``: verify rows are
+    one-row steps (exact=True here), priced so."""
+    auto = block_size == adaptive.AUTO or verify_mode == "adaptive"
+    costs = adaptive.cost_model(target, drafter).one_row_verify() if one_row and auto else None
     return adaptive.policy(target, drafter, adaptive.AUTO if verify_mode == "adaptive" else block_size,
-                           greedy=greedy, history=seed is None or greedy,
+                           greedy=greedy, history=seed is None or greedy, costs=costs,
                            largest=None if block_size == adaptive.AUTO else block_size)
 
 

@@ -161,3 +161,14 @@ def test_doctor_reports_kept_verdicts_probes_with_exact_and_recalibrates(pair, t
     out = subprocess.run(cmd + ["--recalibrate"], capture_output=True, text=True, timeout=300, env=env).stdout
     assert "recalibrate: 2 kept cost and timing file(s) removed" in out
     assert sorted(p.name for p in (tmp_path / "adaptive").glob("*-a.json")) == ["acceptance-a.json"]
+
+
+def test_one_row_verify_prices_a_pass_as_its_rows():
+    """exact=True where passes are not row-exact: b rows cost b one-row passes, drafts alike."""
+    from dflash2_mlx.adaptive.costs import CostModel
+
+    costs = CostModel({1: (0.04, 1e-6), 5: (0.06, 2e-6), 8: (0.07, 3e-6)}, {2: (0.01, 0.0), 8: (0.02, 0.0)})
+    one = costs.one_row_verify()
+    for b in (1, 2, 5, 8, 16):
+        assert one.verify(b, 100) == pytest.approx(b * costs.verify(1, 100))
+        assert one.draft(b, 100) == costs.draft(b, 100)

@@ -62,6 +62,13 @@ class CostModel:
         base, slope = interp(self.drafter, b)
         return base + slope * context
 
+    def one_row_verify(self, largest: int = 40) -> "CostModel":
+        """These costs with a verify pass over b rows priced as b one-row passes: what
+        ``exact=True`` verifies with where passes are not row-exact (``loop/exactness.py``)."""
+        base, slope = interp(self.target, 1)
+        return CostModel({b: (b * base, b * slope) for b in range(1, largest + 1)}, self.drafter,
+                         self.created, self.calibration_s)
+
     def to_json(self) -> dict:
         return asdict(self)
 
