@@ -9,10 +9,9 @@ and a real logits processor that raises on its Nth call (mid-batch, in the verif
 import mlx.core as mx
 import pytest
 
-import dflash2_mlx as d
 from dflash2_mlx.batch import BatchGenerator
 from dflash2_mlx.loop.sampling import SamplingParams
-from tiny_models import make_drafter, make_target
+from tiny_models import abcd_pair
 
 PROMPTS = ["abcab dcba", "dd cb", "abcdabcdabcd ab"]
 N = 20
@@ -20,11 +19,7 @@ N = 20
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("isolation")
-    make_target(root / "t", "qwen3", alphabet="abcd", seed=3)
-    make_drafter(root / "d", root / "t", version=2, seed=11)
-    model, tok, drafter = d.load(str(root / "t"), str(root / "d"))
-    return model, tok, drafter
+    return abcd_pair(tmp_path_factory.mktemp("isolation"))
 
 
 class RaisesOnCall:

@@ -14,7 +14,7 @@ from dflash2_mlx.loop import exactness
 from dflash2_mlx.loop.cycle import prefill
 from dflash2_mlx.loop.target import attach
 from helpers import plain_tokens
-from tiny_models import make_drafter, make_target
+from tiny_models import abcd_pair
 
 PROMPTS = ["abcab dcba", "dd", "a b c", "cab", "bbbb a", "dcdc", "ab ba", "c"]
 TOKENS = 24
@@ -44,10 +44,7 @@ def split_sums(model):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("exact")
-    make_target(root / "t", "qwen3", alphabet="abcd", seed=3)
-    make_drafter(root / "d", root / "t", version=2, seed=11)
-    model, tok, drafter = d.load(str(root / "t"), str(root / "d"))
-    return root, model, tok, drafter
+    return (root, *abcd_pair(root))
 
 
 def test_probe_says_exact_for_mlx_own_passes_and_not_for_another_summation_order(pair):

@@ -7,7 +7,6 @@ kernels match their twins bit for bit); every kernel must have run and passed it
 
 import collections
 
-import mlx.core as mx
 import pytest
 
 import dflash2_mlx as d

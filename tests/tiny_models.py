@@ -194,6 +194,16 @@ if __name__ == "__main__":
     print(out / "target", out / "drafter")
 
 
+def abcd_pair(root):
+    """A qwen3 target over "abcd" (seed 3) and a DFlash 2 drafter for it (seed 11), written
+    under ``root`` and loaded: (model, tokenizer, drafter)."""
+    import dflash2_mlx as d
+
+    make_target(root / "t", "qwen3", alphabet="abcd", seed=3)
+    make_drafter(root / "d", root / "t", version=2, seed=11)
+    return d.load(str(root / "t"), str(root / "d"))
+
+
 def on_worker(fn, *a, **kw):
     """``fn(*a, **kw)`` on the backend's MLX worker thread (MLX work must stay on one thread)."""
     from dflash2_mlx.backend.worker import worker

@@ -125,15 +125,22 @@ def generate_dataset(model, tokenizer, prompts_path, out_path, *, max_tokens: in
                                  sampler=sampler, return_token_ids=True,
                                  completion_batch_size=batch_size,
                                  prefill_batch_size=min(batch_size, 16))
-            for (i, ids), resp, text in zip(chunk, res.token_ids, res.texts):
-                f.write(json.dumps({"id": i, "prompt_ids": ids, "response_ids": list(map(int, resp)),
-                                    "response": text}) + "\n")
-                tokens += len(resp)
-            f.flush()
-            bar.update(len(chunk))
-            bar.set_postfix_str(f"{tokens / (time.perf_counter() - tic):.0f} tok/s, {tokens} tokens")
+            records = [(i, ids, list(map(int, resp)), text)
+                       for (i, ids), resp, text in zip(chunk, res.token_ids, res.texts)]
+            tokens = _write(f, records, bar, tokens, tic)
     bar.close()
     return len(done) + len(encoded)
+
+
+def _write(f, records, bar, tokens: int, tic: float) -> int:
+    """Append (id, prompt ids, response ids, text) records; the running token count."""
+    for i, ids, resp, text in records:
+        f.write(json.dumps({"id": i, "prompt_ids": ids, "response_ids": resp, "response": text}) + "\n")
+        tokens += len(resp)
+    f.flush()
+    bar.update(len(records))
+    bar.set_postfix_str(f"{tokens / (time.perf_counter() - tic):.0f} tok/s, {tokens} tokens")
+    return tokens
 
 
 def generate_by_length(model, tokenizer, prompts_path, out_path, *, max_tokens: int = 256,
@@ -178,16 +185,12 @@ def generate_by_length(model, tokenizer, prompts_path, out_path, *, max_tokens: 
                     seen = mx.concatenate(steps, axis=1).tolist()
                     if all(any(t in eos for t in row) for row in seen):
                         break
-            rows = mx.concatenate(steps, axis=1).tolist()
-            for (i, ids), row in zip(batch, rows):
+            records = []
+            for (i, ids), row in zip(batch, mx.concatenate(steps, axis=1).tolist()):
                 end = next((k for k, t in enumerate(row) if t in eos), None)
                 resp = row if end is None else row[: end + 1]
-                f.write(json.dumps({"id": i, "prompt_ids": ids, "response_ids": resp,
-                                    "response": tokenizer.decode([t for t in resp if t not in eos])}) + "\n")
-                tokens += len(resp)
-            f.flush()
-            bar.update(len(batch))
-            bar.set_postfix_str(f"{tokens / (time.perf_counter() - tic):.0f} tok/s, {tokens} tokens")
+                records.append((i, ids, resp, tokenizer.decode([t for t in resp if t not in eos])))
+            tokens = _write(f, records, bar, tokens, tic)
     bar.close()
     return len(done) + len(todo)
 

@@ -11,7 +11,6 @@ exactness verdict, tokens per second of each and how many outputs equal plain de
 import argparse
 import time
 
-import mlx_lm
 
 from dflash2_mlx import load, stream_generate
 from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
