@@ -5,6 +5,7 @@ the batch, which reads it a chunk between cycles).  Chunks are made tiny here, s
 tiny model's prompt takes many of them."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -15,7 +16,7 @@ from dflash2_mlx.backend.settings import ModelSettings
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 NO_EOS = {1: -100.0}
-LONG = 3000  # prompt tokens: with chunks of 16 tokens at least, up to ~190 chunks
+LONG = 3000  # prompt tokens: with chunks of 32 tokens at least, up to ~94 chunks
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def chunks_read(monkeypatch):
     def counted(*a, **kw):
         for _ in real(*a, **kw):
             count[0] += 1
+            time.sleep(0.01)  # a slow machine's chunk: the test's checks see the prompt being read
             yield
 
     monkeypatch.setattr(PrefixCache, "advance_steps", staticmethod(counted))
