@@ -24,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..distributed import follow
-from . import anthropic, ollama, responses
+from . import anthropic, ollama, openapi, responses
 from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
 from .pool import EnginePool, UnknownModel
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_response,
@@ -49,6 +49,7 @@ def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> F
     anthropic.add_routes(app, pool)
     responses.add_routes(app, pool)
     ollama.add_routes(app, pool)
+    openapi.describe(app)
     return app
 
 
