@@ -24,6 +24,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..distributed import follow
+from ..loop import exactness
 from . import anthropic, ollama, openapi, responses
 from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
 from .pool import EnginePool, UnknownModel
@@ -239,6 +240,11 @@ def _model_card(pool: EnginePool, model_id: str) -> dict:
             engine["drafter"] = Path(engine["drafter"]).name
     except SettingsError as e:
         card["dflash"] = {"error": str(e)}
+        return card
+    # Whether greedy replies are plain decoding's here (loop/exactness.py), once measured.
+    engine = pool.engines.get(model_id)
+    verdict = exactness.known(engine.model) if engine is not None and engine.model is not None else None
+    card["dflash"]["verify_rows"] = verdict.describe() if verdict is not None else "not probed on this machine"
     return card
 
 
