@@ -169,3 +169,32 @@ def test_one_row_verify_prices_a_pass_as_its_rows():
     for b in (1, 2, 5, 8, 16):
         assert one.verify(b, 100) == pytest.approx(b * costs.verify(1, 100))
         assert one.draft(b, 100) == costs.draft(b, 100)
+
+
+def test_every_reply_tells_its_verify_rows(tmp_path, monkeypatch):
+    """The engine's replies (every API's dflash block) say whether verify rows are exact here:
+    "not probed" until the probe has run, then its verdict."""
+    import asyncio
+
+    from dflash2_mlx.backend.engine import Engine
+    from dflash2_mlx.backend.settings import ModelSettings
+    from tiny_models import make_drafter, make_target, on_worker
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    target = on_worker(make_target, tmp_path / "t")
+    drafter = on_worker(make_drafter, tmp_path / "d", target)
+
+    async def scenario():
+        e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)), model_id="tiny")
+        await e.start()
+        try:
+            first = [c async for c in e.stream_generate("abc", max_tokens=4)][-1]
+            verdict = await asyncio.wrap_future(e.worker.submit(exactness.verdict, e.model))
+            second = [c async for c in e.stream_generate("abc", max_tokens=4)][-1]
+            return first, verdict, second
+        finally:
+            await e.stop()
+
+    first, verdict, second = asyncio.run(scenario())
+    assert first.engine["verify_rows"] == "not probed on this machine"
+    assert second.engine["verify_rows"] == verdict.describe()

@@ -271,7 +271,7 @@ class Batching:
         e.stats.move(active=1)
         j = Joined(request, push, start, Reply(e.tokenizer, request.options, request.tools, request.chat),
                    detokenizer_after(e.tokenizer, request.ids if request.continues else ()),
-                   s.engine(len(request.ids)))
+                   e.decoding(len(request.ids)))
         j.ids = ids
         if carry is not None:
             j.carry(carry)

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from ..distributed import follow
 from ..generate import TemplateVariableError, chat_ids, check_block_size, load
+from ..loop import exactness
 from ..model.checkpoint import resolve
 from .admission import Admission, Request, in_event_loop
 from .batch_job import Batching, batchable
@@ -103,6 +104,15 @@ class Engine:
     @last_used.setter
     def last_used(self, value: float):
         self.admission.last_used = value
+
+    def decoding(self, prompt_tokens: int, settings: Optional[ModelSettings] = None) -> dict:
+        """How a request of ``prompt_tokens`` is decoded, as its replies tell the client: the
+        settings' engine, and with DFlash whether its verify rows are exact here."""
+        out = (settings or self.settings).engine(prompt_tokens)
+        if out["dflash"]:
+            verdict = exactness.known(self.model) if self.model is not None else None
+            out["verify_rows"] = verdict.describe() if verdict is not None else "not probed on this machine"
+        return out
 
     def max_running(self) -> int:
         """Requests that run at once: the settings' max_batch, else the engine's (1 when

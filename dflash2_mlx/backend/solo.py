@@ -117,7 +117,7 @@ class SoloStream:
         generates nothing (a prompt scored alone)."""
         e, s, request, g = self.engine, self.settings, self.request, self.request.generation
         self.mode = s.verify_mode(self.n_prompt)
-        self.decoding = s.engine(self.n_prompt)
+        self.decoding = e.decoding(self.n_prompt, s)
         drafting = self.mode != "off" and e.drafter is not None
         self.reply = Reply(e.tokenizer, request.options, request.tools, request.chat)
         scored = None
@@ -135,7 +135,8 @@ class SoloStream:
             # A short reply to a scored prompt (lm-eval's: one token) goes on from the
             # scoring pass's caches, plain: no second prefill of the prompt.
             self.mode, drafting = "off", False
-            self.decoding = {**self.decoding, "dflash": False, "verify_mode": "off", "block_size": None}
+            plain = {k: v for k, v in self.decoding.items() if k != "verify_rows"}
+            self.decoding = {**plain, "dflash": False, "verify_mode": "off", "block_size": None}
             self.start = Start(scored, None, self.n_prompt - 1)
         else:
             self.start = e.prefix_cache.start(request.ids, e.model, e.drafter if drafting else None,
