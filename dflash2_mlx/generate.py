@@ -298,7 +298,7 @@ def exactness_of(model, exact: bool) -> Tuple[str, bool]:
     With ``exact`` the probe runs now if this machine has no verdict for the target yet."""
     verdict = exactness.verdict(model) if exact else exactness.known(model)
     if verdict is None:
-        return "not probed on this machine (dflash2-mlx doctor --exact)", False
+        return f"{exactness.NOT_PROBED} (dflash2-mlx doctor --exact)", False
     if verdict.exact:
         return "exact", False
     if exact:

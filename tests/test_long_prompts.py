@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dflash2_mlx.backend import batch_job, solo
+from dflash2_mlx.backend import prefix_cache
 from dflash2_mlx.backend.engine import Engine
 from dflash2_mlx.backend.prefix_cache import PrefixCache
 from dflash2_mlx.backend.settings import ModelSettings
@@ -40,8 +40,7 @@ def chunks_read(monkeypatch):
             yield
 
     monkeypatch.setattr(PrefixCache, "advance_steps", staticmethod(counted))
-    monkeypatch.setattr(solo, "PREFILL_CHUNK_SECONDS", 1e-6)
-    monkeypatch.setattr(batch_job, "PREFILL_CHUNK_SECONDS", 1e-6)
+    monkeypatch.setattr(prefix_cache, "PREFILL_CHUNK_SECONDS", 1e-6)
     return count
 
 

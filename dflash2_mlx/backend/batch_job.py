@@ -24,7 +24,7 @@ from .admission import DONE, Request
 from .prefix_cache import Start, recurrent_state
 from .reply import Reply
 from .settings import ModelSettings
-from .solo import PREFILL_CHUNK_SECONDS, Carry, solo_job
+from .solo import Carry, solo_job
 from .wire import Chunk
 
 log = logging.getLogger("dflash2_mlx.engine")
@@ -234,7 +234,7 @@ class Batching:
             self._refuse(request, push, "error", ex)
             return
         if len(ids) - 1 - start.tokens > READ_AT_ONCE and e.lockstep is None:
-            steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=PREFILL_CHUNK_SECONDS)
+            steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model)
             reading.append(Reading(request, push, carry, ids, start, steps))
             return
         self._enter(gen, joined, request, push, carry, ids, start)
@@ -258,7 +258,7 @@ class Batching:
 
     def _enter(self, gen, joined: Dict[int, Joined], request: Request, push, carry: Optional[Carry],
                ids: List[int], start):
-        e, s, g = self.engine, self.engine.settings, request.generation
+        e, g = self.engine, request.generation
         try:
             uid = gen.insert(
                 ids, max_tokens=g.max_tokens - (carry.n if carry else 0), params=g.sampling,

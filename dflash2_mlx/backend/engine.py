@@ -110,8 +110,7 @@ class Engine:
         settings' engine, and with DFlash whether its verify rows are exact here."""
         out = (settings or self.settings).engine(prompt_tokens)
         if out["dflash"]:
-            verdict = exactness.known(self.model) if self.model is not None else None
-            out["verify_rows"] = verdict.describe() if verdict is not None else "not probed on this machine"
+            out["verify_rows"] = exactness.note(self.model)
         return out
 
     def max_running(self) -> int:

@@ -33,6 +33,10 @@ from ..loop.draft_context import DraftContext
 from ..loop.target import attach, snapshot
 
 
+# A prompt is read in chunks of about this many seconds, each a step of the worker (solo and
+# batch): other requests decode between them, and a request given up stops within one.
+PREFILL_CHUNK_SECONDS = 0.5
+
 # glibc's malloc_trim, where there is one (None elsewhere: macOS, musl).  CDLL(None) is the
 # process's own symbols, libc's among them: no library search at import.
 _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
@@ -250,12 +254,13 @@ class PrefixCache:
             pass
 
     @staticmethod
-    def advance_steps(start: Start, ids: Sequence[int], model, seconds: float = 0.25,
+    def advance_steps(start: Start, ids: Sequence[int], model, seconds: Optional[float] = None,
                       first: int = 128, most: int = 2048):
         """``_advance`` a chunk at a time, yielding after each: chunks are sized from the last
-        one's time so that each takes about ``seconds`` (from ``first`` tokens, at most
-        ``most``), so a request's prefill takes turns with other requests' steps and a
-        request given up stops within one chunk."""
+        one's time so that each takes about ``seconds`` (default ``PREFILL_CHUNK_SECONDS``;
+        from ``first`` tokens, at most ``most``), so a request's prefill takes turns with other
+        requests' steps and a request given up stops within one chunk."""
+        seconds = PREFILL_CHUNK_SECONDS if seconds is None else seconds
         target = attach(model, start.context.drafter) if start.context is not None else None
         step = first
         while start.tokens < len(ids):

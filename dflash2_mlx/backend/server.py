@@ -243,8 +243,7 @@ def _model_card(pool: EnginePool, model_id: str) -> dict:
         return card
     # Whether greedy replies are plain decoding's here (loop/exactness.py), once measured.
     engine = pool.engines.get(model_id)
-    verdict = exactness.known(engine.model) if engine is not None and engine.model is not None else None
-    card["dflash"]["verify_rows"] = verdict.describe() if verdict is not None else "not probed on this machine"
+    card["dflash"]["verify_rows"] = exactness.note(engine.model if engine is not None else None)
     return card
 
 

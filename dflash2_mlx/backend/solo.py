@@ -25,9 +25,6 @@ log = logging.getLogger("dflash2_mlx.engine")
 SCORED_PLAIN_MAX = 16
 # The memory tier a handover keeps its caches in when the engine's is off: room for any.
 UNBOUNDED = 1 << 62
-# A prompt is read in chunks of about this many seconds, each a step of the worker: other
-# requests decode between them, and a request given up stops within one.
-PREFILL_CHUNK_SECONDS = 0.5
 
 
 class Carry:
@@ -154,8 +151,7 @@ class SoloStream:
         if not self.chunked:
             return False
         tic = time.perf_counter()
-        for _ in e.prefix_cache.advance_steps(self.start, request.ids[:-1], e.model,
-                                              seconds=PREFILL_CHUNK_SECONDS):
+        for _ in e.prefix_cache.advance_steps(self.start, request.ids[:-1], e.model):
             self.prefill_seconds += time.perf_counter() - tic
             yield
             tic = time.perf_counter()

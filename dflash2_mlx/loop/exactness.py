@@ -5,8 +5,8 @@ pass computes for row i must be, bit for bit, the logits a one-row decode step c
 the same token.  A pass over b rows may take other kernels than a one-row step (MLX's
 quantized matmul picks its kernel by row count; a GPU tiles a b-row product), which sum in
 another order; the rows then differ in their last bits, and where two tokens nearly tie the
-argmax can flip.  On this CPU in fp32 they are bit-identical; on GPUs they were not
-(docs/lossless.md).
+argmax can flip.  On this CPU in fp32 they are bit-identical with MLX's bundled BLAS and
+not with OpenBLAS (a different kernel for one row); on a GPU they were not (docs/lossless.md).
 
 ``probe`` measures it on the real target: after the same prompt, a pass over b rows
 against the same b tokens decoded one row at a time, for each row count the loop may use.
@@ -129,6 +129,15 @@ def verdict(model, refresh: bool = False) -> Verdict:
     v = probe(model)
     store.write(path, v.to_json())
     return v
+
+
+NOT_PROBED = "not probed on this machine"
+
+
+def note(model) -> str:
+    """What a reply says of ``model``'s verify rows here: the kept verdict, or NOT_PROBED."""
+    v = known(model) if model is not None else None
+    return NOT_PROBED if v is None else v.describe()
 
 
 def known(model) -> Optional[Verdict]:

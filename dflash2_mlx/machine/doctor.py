@@ -109,7 +109,7 @@ def exactness_report(model: Optional[str] = None, measure: bool = False, echo=pr
             except TypeError:
                 continue
     if not verdicts:
-        echo("verify rows: not probed on this machine (dflash2-mlx doctor --exact [--model M])")
+        echo(f"verify rows: {exactness.NOT_PROBED} (dflash2-mlx doctor --exact [--model M])")
     for v in verdicts:
         echo(f"verify rows ({v.dtype} target, rows {v.rows[0]}..{v.rows[-1]}, {v.device}): {v.describe()}"
              + ("" if v.exact else f"; {v.differing:.0%} of logits differ: greedy output is plain "
