@@ -8,6 +8,7 @@ import shutil
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+from mlx_lm.generate import generate_step
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -73,6 +74,25 @@ def test_dataset_is_resumable(tiny, tmp_path):
     assert records[1]["prompt_ids"] == list(tok.apply_chat_template(
         [{"role": "user", "content": PROMPTS[1]}], add_generation_prompt=True))
     assert all(len(r["response_ids"]) > 0 for r in records)
+
+
+def test_equal_length_batches_give_each_prompt_its_own_greedy_response(tiny, tmp_path):
+    """--gen-by-length: prompts of one token length decoded together give each the tokens it
+    gets alone (plain greedy decoding, up to and with its end token), and it resumes."""
+    root, model, tok, _ = tiny
+    out = tmp_path / "d.jsonl"
+    assert data.generate_by_length(model, tok, root / "prompts.jsonl", out, max_tokens=40,
+                                   batch_size=3, limit=5, progress=False) == 5
+    assert data.generate_by_length(model, tok, root / "prompts.jsonl", out, max_tokens=40,
+                                   batch_size=3, progress=False) == len(PROMPTS)
+    records = data.read_dataset(out)
+    assert sorted(r["id"] for r in records) == list(range(len(PROMPTS)))
+    lengths = [len(r["prompt_ids"]) for r in records]
+    assert len(set(lengths)) < len(lengths)  # some batch really held several prompts
+    for r in records:
+        alone = [int(t) for t, _ in generate_step(mx.array(r["prompt_ids"]), model, max_tokens=40)]
+        end = next((k for k, t in enumerate(alone) if t in tok.eos_token_ids), None)
+        assert r["response_ids"] == (alone if end is None else alone[: end + 1])
 
 
 def test_prompt_fields():

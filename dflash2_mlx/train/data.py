@@ -167,6 +167,7 @@ def generate_by_length(model, tokenizer, prompts_path, out_path, *, max_tokens: 
     batches = [group[k : k + batch_size] for group in by_len.values() for k in range(0, len(group), batch_size)]
     batches.sort(key=lambda b: (-len(b), b[0][0]))
     eos = set(tokenizer.eos_token_ids)
+    eos_ids = mx.array(sorted(eos), dtype=mx.int32)
     mx.random.seed(seed)
     bar = tqdm(total=len(done) + len(todo), initial=len(done), disable=not progress,
                desc="responses", unit="prompt")
@@ -175,16 +176,15 @@ def generate_by_length(model, tokenizer, prompts_path, out_path, *, max_tokens: 
         for batch in batches:
             cache = make_prompt_cache(model)
             x = mx.array([ids for _, ids in batch], dtype=mx.int32)
-            steps = []
+            steps, ended = [], mx.zeros((len(batch),), dtype=mx.bool_)
             for _ in range(max_tokens):
                 logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
                 x = (mx.argmax(logits, -1) if temp == 0 else mx.random.categorical(logits / temp))[:, None]
-                mx.async_eval(x)
+                ended = ended | mx.any(x == eos_ids, axis=-1)
+                mx.async_eval(x, ended)
                 steps.append(x)
-                if len(steps) % 32 == 0:  # every row has ended: stop early
-                    seen = mx.concatenate(steps, axis=1).tolist()
-                    if all(any(t in eos for t in row) for row in seen):
-                        break
+                if len(steps) % 32 == 0 and ended.all().item():  # every row has ended: stop early
+                    break
             records = []
             for (i, ids), row in zip(batch, mx.concatenate(steps, axis=1).tolist()):
                 end = next((k for k, t in enumerate(row) if t in eos), None)
