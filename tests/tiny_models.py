@@ -84,7 +84,8 @@ def write_byte_tokenizer(path: Path, alphabet: str = ALPHABET):
     return len(tokens)
 
 
-def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 4, head_dim: int = 16) -> dict:
+def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 4, head_dim: int = 16,
+                  window: int = 8) -> dict:
     base = dict(
         model_type=family, hidden_size=hidden, num_hidden_layers=layers,
         intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
@@ -112,18 +113,19 @@ def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
     elif family == "qwen2":
         base.update(tie_word_embeddings=True)
     elif family == "llama_sliding":  # mlx-lm's RotatingKVCache on every other layer
-        base.update(model_type="llama", head_dim=16, sliding_window=8,
+        base.update(model_type="llama", head_dim=16, sliding_window=window,
                     layer_types=["sliding_attention", "full_attention"] * (layers // 2))
     return base
 
 
 def make_target(path, family: str = "qwen3", seed: int = 0, hidden: int = 64, layers: int = 4,
-                alphabet: str = ALPHABET, scale: float = 1.0, byte_level: bool = False, head_dim: int = 16):
+                alphabet: str = ALPHABET, scale: float = 1.0, byte_level: bool = False, head_dim: int = 16,
+                window: int = 8):
     """Write a random mlx-lm model directory of ``family`` with the char tokenizer (or, with
     ``byte_level``, the byte-level one with emoji pieces)."""
     path = Path(path)
     vocab = (write_byte_tokenizer if byte_level else write_tokenizer)(path, alphabet)
-    config = target_config(family, vocab, hidden, layers, head_dim)
+    config = target_config(family, vocab, hidden, layers, head_dim, window)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, List, Optional, Tuple, Union
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
-from .. import adaptive
+from .. import adaptive, tree as trees
 from ..model.drafter import Drafter, propose
 from .clock import Clock
 from .draft_context import DraftContext
@@ -91,6 +91,22 @@ class Sequence:
         self.context.add(features[:, :n])
         self.history = mx.concatenate([self.history, self.kept])
 
+    def verify_tree(self, tree: trees.Tree) -> Tuple[mx.array, mx.array]:
+        """One target pass over ``tree``'s nodes: their raw logits [n, V] and features."""
+        self.kv(self.cache)
+        self.saved = snapshot(self.cache)
+        logits, features = trees.tree_pass(self.target, tree, self.cache)
+        return logits[0], features
+
+    def keep_path(self, tree: trees.Tree, features: mx.array, path: List[int]):
+        """Keep the verified tree's nodes ``path`` (the anchor first), as ``keep`` keeps a
+        block's first tokens: the caches compacted to them, their features into the draft
+        context."""
+        self.kept = mx.array(tree.tokens[path].astype("int32"))
+        trees.compact(self.cache, tree.tokens.size, path)
+        self.context.add(features[:, mx.array(path)])
+        self.history = mx.concatenate([self.history, self.kept])
+
     def settle(self, prompt_tokens: int):
         """Leave the cache as mlx-lm's generate_step leaves it: holding the prompt and every
         token yielded, no draft accepted but never read, the last one fed; the draft context
@@ -130,6 +146,22 @@ def cycle(seq: Sequence, anchor: int, b: int, copy: Optional[List[int]] = None) 
     return draft[:accepted].tolist() + [bonus], accepted, logprobs
 
 
+def tree_cycle(seq: Sequence, anchor: int, b: int, budget: int) -> Tuple[List[int], int, mx.array]:
+    """One cycle that verifies a tree of ``budget`` drafted nodes, at most ``b - 1`` deep,
+    grown from one drafter pass over a block of ``b``; returns as ``cycle``."""
+    drafter, params = seq.drafter, seq.params
+    # Draft + propose: one drafter pass, its lattice, the walk's path and the likeliest others.
+    hidden = drafter(mx.array([[anchor] + [drafter.config.mask_token_id] * (b - 1)]), seq.context.fed())
+    cand, scores = trees.lattice(drafter, hidden, anchor)
+    tree = trees.grow(anchor, cand, scores, budget, 1.0 if params.greedy else params.temp)
+    # Verify: one target pass over every node, each reading only its own path.
+    rows, features = seq.verify_tree(tree)
+    # Accept: walk the tree with the target's own token at each node.
+    path, token, logprobs = trees.accept(tree, rows, seq.history, seq.processors, params)
+    seq.keep_path(tree, features, path)
+    return tree.tokens[path[1:]].tolist() + [token], len(path) - 1, logprobs
+
+
 def speculative_generate_step(
     prompt: mx.array, target: Target, drafter: Drafter, *, max_tokens: int = 256,
     params: SamplingParams = SamplingParams(), logits_processors: Optional[List[Callable]] = None,
@@ -137,7 +169,7 @@ def speculative_generate_step(
     prompt_cache: Optional[list] = None, draft_window: Optional[int] = None, draft_sink: int = 0,
     context: Optional[DraftContext] = None, cached_tokens: int = 0, lookup: bool = True,
     settle: bool = False, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, tree_budget: Optional[int] = None,
 ) -> Iterator:
     """``block_size``: a number, "auto", or a policy (``adaptive.Policy``); ``draft_window``:
     how many of the latest context rows a draft reads (None: all), besides the first
@@ -146,7 +178,9 @@ def speculative_generate_step(
     copies where the sequence repeats (False: always the drafter).  ``settle``: when the
     steps end (or are closed), leave the cache holding the prompt and every token yielded,
     as mlx-lm's generate_step leaves it.  ``kv_bits``, ``kv_group_size``,
-    ``quantized_kv_start``: mlx-lm's KV cache quantization (``kv_quant.py``)."""
+    ``quantized_kv_start``: mlx-lm's KV cache quantization (``kv_quant.py``).  ``tree_budget``:
+    drafted blocks are verified as trees of that many nodes, as deep as the block (``tree/``),
+    where the target and its caches can take one (else as chains, ``stats.chain_why``)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
     policy = (block_size if isinstance(block_size, adaptive.Policy)
               else adaptive.policy(target, drafter, block_size, params.greedy))
@@ -184,9 +218,16 @@ def speculative_generate_step(
             if plain.waiting:  # drafting resumes from the last plain step's token
                 yield seq.out(*plain.take())
             clock.begin()
-            new, accepted, logprobs = cycle(seq, seq.last, choice.block, copy if choice.copy else None)
+            nodes = tree_budget if tree_budget and not choice.copy else 0
+            if nodes:
+                seq.stats.chain_why = trees.fits(target, cache, nodes + 1)
+                nodes = 0 if seq.stats.chain_why else nodes
+            if nodes:
+                new, accepted, logprobs = tree_cycle(seq, seq.last, choice.block, nodes)
+            else:
+                new, accepted, logprobs = cycle(seq, seq.last, choice.block, copy if choice.copy else None)
             policy.record(choice.block, accepted, choice.copy)
-            seq.stats.record(choice.block, accepted, choice.fallback, choice.copy)
+            seq.stats.record(choice.block, accepted, choice.fallback, choice.copy, nodes)
             clock.end(choice.block, choice.copy)
             if copier is not None:
                 copier.extend(new)

@@ -3,7 +3,7 @@ updates after each cycle and yields with each token."""
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 
 @dataclass
@@ -19,12 +19,20 @@ class CycleStats:
     shadows: int = 0  # plain steps that carried a shadow probe
     copies: int = 0  # cycles that verified a copy (``lookup.py``) instead of a draft
     copied: int = 0  # ... and the copied tokens they accepted
+    trees: int = 0  # cycles that verified a tree (``tree/``)
+    nodes: int = 0  # ... the drafted nodes they verified
+    tree_accepted: int = 0  # ... and the depth they accepted
+    chain_why: Optional[str] = None  # why the latest drafted cycle verified a chain, not a tree
 
     def __post_init__(self):
         self.position_accepted = [0] * max(self.block_size - 1, 0)
 
-    def record(self, block_size: int, accepted: int, fallback: bool = False, copy: bool = False):
+    def record(self, block_size: int, accepted: int, fallback: bool = False, copy: bool = False,
+               nodes: int = 0):
         self.cycles += 1
+        self.trees += nodes > 0
+        self.nodes += nodes
+        self.tree_accepted += accepted if nodes else 0
         self.copies += copy
         self.copied += accepted if copy else 0
         self.block_sizes[block_size] += 1

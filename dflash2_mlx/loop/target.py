@@ -72,6 +72,7 @@ class Target:
         # Exact verify (``exactness.py``): every row of a verify pass computed as a one-row
         # decode step computes it, where this machine's multi-row passes round otherwise.
         self.exact = False
+        self._tree_depths = None  # tree passes: the node depths the ropes read (``tree/``)
         self.stage = getattr(model, "dflash_stage", None)  # a pipeline stage: this rank's layers
         depth = len(self.layers) if self.stage is None else self.stage.depth
         bad = [i for i in layer_ids if not 0 <= i < depth]

@@ -1,0 +1,138 @@
+"""One target pass over a draft tree, and the caches compacted to the accepted path.
+
+A node attends to the cache and to its own ancestors only, at position anchor + depth, so
+its row is the one the chain [anchor .. node] would compute.  Both go through mlx-lm's own
+interfaces, on the model instance: the mask through the cache's ``make_mask`` (each cache
+of the pass takes a subclass that returns the tree's mask, for the pass only), the positions
+through each attention's ``rope`` module (wrapped once: outside a tree pass it is the
+model's own call; inside, every row rotated at its node's position).
+
+After the pass the caches hold every node; ``compact`` moves the accepted path's entries to
+consecutive positions and trims the rest: a key at depth d was rotated at anchor + d, where
+the path puts it.  Trees need trimmable caches (full attention, quantized or not, and
+sliding-window layers while the pass stays inside the window); recurrent layers (qwen3_5,
+qwen3_next) cannot take a tree, and ``fits`` says so.
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import RotatingKVCache
+
+from .grow import Tree
+
+_masking_classes = {}
+
+
+def _masking(cls):
+    if cls not in _masking_classes:
+
+        def make_mask(self, N, *args, **kwargs):
+            mask = object.__getattribute__(self, "_dflash_tree_mask")
+            if mask.shape[0] != N:
+                raise ValueError(f"a tree pass of {mask.shape[0]} rows asked a mask for {N}")
+            return mask
+
+        _masking_classes[cls] = type(f"TreeMasked{cls.__name__}", (cls,), {"make_mask": make_mask})
+    return _masking_classes[cls]
+
+
+class TreeRope(nn.Module):
+    """An attention's rope: the model's own, or per-row positions during a tree pass."""
+
+    def __init__(self, inner: nn.Module, depths: list):
+        super().__init__()
+        self.inner = inner
+        self._depths = depths  # [None] outside a tree pass, else [mx.array of node depths]
+
+    def __call__(self, x, offset=0, *args, **kwargs):
+        depths = self._depths[0]
+        if depths is None or x.shape[-2] != depths.size:
+            return self.inner(x, offset, *args, **kwargs)
+        if isinstance(self.inner, nn.RoPE) and not args and not kwargs:
+            # The rows as a batch, each with its own offset: one call.
+            rows = x.swapaxes(0, 2)
+            return self.inner(rows, offset=offset + depths).swapaxes(0, 2)
+        # Any other rope: the rows of one depth together, at that depth's position.
+        out = [None] * depths.size
+        d_np = np.array(depths)
+        for d in np.unique(d_np):
+            idx = np.nonzero(d_np == d)[0]
+            rows = x[..., mx.array(idx), :].swapaxes(0, 2)
+            r = self.inner(rows, int(offset + int(d)), *args, **kwargs).swapaxes(0, 2)
+            for j, i in enumerate(idx):
+                out[i] = r[..., j : j + 1, :]
+        return mx.concatenate(out, axis=-2)
+
+
+def install(target) -> bool:
+    """Wrap the target's attention ropes (once per model); False where it has none."""
+    if target._tree_depths is None:
+        ropes = [(m, m["rope"]) for _, m in target.model.named_modules()
+                 if isinstance(m.get("rope"), nn.Module)]
+        wrapped = [r for _, r in ropes if isinstance(r, TreeRope)]
+        depths = wrapped[0]._depths if wrapped else [None]
+        for module, rope in ropes:
+            if not isinstance(rope, TreeRope):
+                module.rope = TreeRope(rope, depths)
+        target._tree_depths = depths if ropes else None
+    return target._tree_depths is not None
+
+
+def fits(target, cache: list, rows: int) -> Optional[str]:
+    """None if a tree pass of ``rows`` can run on ``cache``, else why not."""
+    if target.stage is not None:
+        return "a pipeline target verifies chains"
+    if target.exact:
+        return "exact verify reads one row at a time (a chain)"
+    for c in cache:
+        if isinstance(c, RotatingKVCache):
+            if c.offset + rows >= c.max_size:
+                return "the tree would reach a sliding window"
+        elif not c.is_trimmable():
+            return "recurrent layers cannot take a tree"
+    if not install(target):
+        return "the target has no rope to place tree nodes"
+    return None
+
+
+def tree_pass(target, tree: Tree, cache: list):
+    """Logits [1, n, V] and features [1, n, F] of the tree's nodes, each row as if its path
+    alone had been read."""
+    offset = next(c.offset for c in cache)
+    n = tree.tokens.size
+    visible = np.concatenate([np.ones((n, offset), dtype=bool), tree.ancestors()], axis=1)
+    mask = mx.array(visible)
+    classes = []
+    for c in cache:
+        classes.append(type(c))
+        c.__class__ = _masking(type(c))
+        object.__setattr__(c, "_dflash_tree_mask", mask)
+    target._tree_depths[0] = mx.array(tree.depths.astype(np.int32))
+    try:
+        return target(mx.array(tree.tokens[None].astype(np.int32)), cache)
+    finally:
+        target._tree_depths[0] = None
+        for c, cls in zip(cache, classes):
+            c.__class__ = cls
+            object.__delattr__(c, "_dflash_tree_mask")
+
+
+def compact(cache: list, rows: int, path: List[int]):
+    """Keep the entries of the nodes ``path`` (the anchor first) of the latest tree pass over
+    ``rows`` nodes, at consecutive positions; drop the rest."""
+    n = len(path)
+    if path == list(range(n)):  # already in place: a prefix of the pass
+        for c in cache:
+            c.trim(rows - n)
+        return
+    for c in cache:
+        end = c._idx if isinstance(c, RotatingKVCache) else c.offset
+        start = end - rows
+        src = mx.array(np.array(path, dtype=np.int32) + start)
+        for group in (c.keys, c.values):
+            for a in group if isinstance(group, (tuple, list)) else [group]:
+                a[..., start : start + n, :] = a[..., src, :]
+        c.trim(rows - n)
