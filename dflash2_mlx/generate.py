@@ -22,8 +22,9 @@ from .loop.sampling import SamplingParams
 from .loop.cycle import speculative_generate_step
 from .loop.kv_quant import kv_offset
 from .loop.target import attach
+from . import tree as trees
 
-VERIFY_MODES = ("dflash", "adaptive", "off")
+VERIFY_MODES = ("dflash", "adaptive", "tree", "ddtree", "off")  # ddtree: oMLX's name for tree
 
 
 @dataclass
@@ -49,6 +50,10 @@ class GenerationResponse:
     copies: int = 0  # cycles so far that verified a copy of earlier tokens (no drafter pass)
     copied: int = 0  # ... and the copied tokens they accepted
     exactness: str = ""  # whether greedy output is the target's own bit for bit here (exactness.py)
+    trees: int = 0  # cycles so far that verified a tree (verify_mode="tree")
+    tree_nodes: int = 0  # ... the drafted nodes they verified
+    tree_accepted: int = 0  # ... and the depth they accepted
+    chain_why: Optional[str] = None  # tree mode: why the latest drafted cycle verified a chain
 
 
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
@@ -200,12 +205,15 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     prompt_cache: Optional[list] = None, draft_context=None, cached_tokens: int = 0,
                     lookup: bool = True, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, continues: bool = False,
-                    exact: bool = False):
+                    exact: bool = False, tree_budget: Union[int, str, None] = None):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
     ``block_size`` ("auto": chosen every cycle, see ``adaptive``; a number fixes it);
     ``verify_mode="adaptive"`` is "auto" with a number as the largest block;
+    ``verify_mode="tree"`` (or oMLX's "ddtree") verifies trees of ``tree_budget`` drafted
+    nodes (a number, or "auto": sized by this machine's cost curve), as deep as the block,
+    where the target can take one (``docs/tree.md``);
     ``verify_mode="off"`` (or no drafter) is plain autoregressive decoding.
     ``draft_window``: how many of the latest context rows a draft reads (None: all), besides
     the first ``draft_sink`` rows, which it always reads.
@@ -230,6 +238,10 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     Each response's ``exactness`` says which guarantee holds."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
+    if tree_budget is not None and verify_mode not in ("tree", "ddtree"):
+        raise ValueError(f"tree_budget={tree_budget!r} needs verify_mode='tree' (got {verify_mode!r})")
+    if verify_mode in ("tree", "ddtree"):
+        tree_budget = trees.check_budget(tree_budget)
     if max_tokens == 0 or max_tokens < -1:
         raise ValueError(f"max_tokens must be positive (or -1 for no limit), got {max_tokens}")
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -253,7 +265,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
         exact_note, one_row = exactness_of(model, exact)
         policy, tokens = _dflash_steps(model, drafter, ids, params, limit, block_size, verify_mode, seed,
                                       draft_window, draft_sink, draft_context, cached_tokens, lookup,
-                                      one_row=one_row, **shared)
+                                      one_row=one_row, tree_budget=tree_budget, **shared)
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
     try:
@@ -270,7 +282,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
 def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams, limit, block_size,
                  verify_mode: str, seed: Optional[int], draft_window: Optional[int], draft_sink: int,
                  draft_context, cached_tokens: int, lookup: bool, prompt_cache: Optional[list] = None,
-                 one_row: bool = False, **shared):
+                 one_row: bool = False, tree_budget=None, **shared):
     """(the block-size policy, the DFlash cycles' (token, logprobs, from_draft, stats)).  A
     ``prompt_cache`` without a ``draft_context`` is mlx-lm's use of one: the drafter's context
     is the one kept beside it (``chat_context``), and the cache is settled when the steps end."""
@@ -290,7 +302,8 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams
     return policy, speculative_generate_step(
         ids, target, drafter, max_tokens=limit, params=params, block_size=policy,
         draft_window=draft_window, draft_sink=draft_sink, prompt_cache=prompt_cache,
-        context=draft_context, cached_tokens=cached_tokens, lookup=lookup, settle=chat, **shared)
+        context=draft_context, cached_tokens=cached_tokens, lookup=lookup, settle=chat,
+        tree_budget=tree_budget, **shared)
 
 
 def exactness_of(model, exact: bool) -> Tuple[str, bool]:
@@ -398,6 +411,10 @@ def _responses(tokens, tokenizer, ids, limit, tic, continues: bool = False):
             shadows=stats.shadows if stats else 0,
             copies=stats.copies if stats else 0,
             copied=stats.copied if stats else 0,
+            trees=stats.trees if stats else 0,
+            tree_nodes=stats.nodes if stats else 0,
+            tree_accepted=stats.tree_accepted if stats else 0,
+            chain_why=stats.chain_why if stats else None,
         )
         if finish:
             return
@@ -430,4 +447,13 @@ def stats_line(r: GenerationResponse) -> str:
     tau = f"tau {r.tau:.2f} | {blocks} | " if r.cycles else ""
     return (f"{tau}generation {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | "
             f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
-            f"peak memory {r.peak_memory:.3f} GB" + (f" | verify rows: {r.exactness}" if r.cycles and r.exactness else ""))
+            f"peak memory {r.peak_memory:.3f} GB" + (f" | verify rows: {r.exactness}" if r.cycles and r.exactness else "")
+            + trees_text(r))
+
+
+def trees_text(r: GenerationResponse) -> str:
+    """Tree mode's part of the stats line: nodes verified and depth accepted per tree."""
+    if r.trees:
+        return (f" | trees {r.trees}: {r.tree_nodes / r.trees:.1f} nodes, "
+                f"depth {r.tree_accepted / r.trees:.2f} accepted")
+    return f" | trees none ({r.chain_why})" if r.chain_why else ""

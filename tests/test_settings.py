@@ -130,9 +130,15 @@ def test_omlx_window_and_cache_names():
     assert ModelSettings(prefix_cache_gb=2.0, dflash_in_memory_cache=False).prefix_cache_bytes(1.0) == 2 * 10**9
 
 
-def test_unimplemented_verify_modes_say_so(tmp_path):
-    with pytest.raises(SettingsError, match="'ddtree' is not supported yet"):
-        SettingsStore(tmp_path / "s.json").set("m", dflash_verify_mode="ddtree")
+def test_tree_verify_modes_and_their_budget(tmp_path):
+    store = SettingsStore(tmp_path / "s.json")
+    store.set("m", dflash_verify_mode="ddtree", dflash_tree_budget=16)  # oMLX's name is accepted
+    store.set("n", dflash_verify_mode="tree", dflash_tree_budget="auto")
+    for bad in (0, 65, "many", True):
+        with pytest.raises(SettingsError, match="dflash_tree_budget must be 'auto' or an integer in 1..64"):
+            store.set("m", dflash_tree_budget=bad)
+    with pytest.raises(SettingsError, match="dflash_verify_mode must be"):
+        store.set("m", dflash_verify_mode="forest")
 
 
 def test_invalid_value_in_the_file_is_reported_on_read(tmp_path):

@@ -27,8 +27,7 @@ from typing import Any, Dict, List, Optional
 SETTINGS_VERSION = 1
 SETTINGS_ENV = "DFLASH2_MLX_SETTINGS"
 DEFAULT_SETTINGS = Path("~/.dflash2-mlx/model_settings.json")
-VERIFY_MODES = ("dflash", "adaptive", "off")
-FUTURE_VERIFY_MODES = ("ddtree",)  # oMLX's other modes: not implemented here yet
+VERIFY_MODES = ("dflash", "adaptive", "tree", "ddtree", "off")  # ddtree: oMLX's name for tree
 DEFAULT_SSD_CACHE_BYTES = 10 * 10**9
 
 
@@ -44,12 +43,12 @@ def _bool(v):
     return isinstance(v, bool)
 
 
-def _int(v, lo=None, choices=None):
+def _int(v, lo=None, choices=None, hi=None):
     if not isinstance(v, int) or isinstance(v, bool):
         return False
     if choices is not None and v not in choices:
         return False
-    return lo is None or v >= lo
+    return (lo is None or v >= lo) and (hi is None or v <= hi)
 
 
 def _num(v, lo=None, hi=None, lo_open=False):
@@ -70,6 +69,8 @@ FIELDS = {
     "dflash_draft_quant_group_size": (lambda v: _int(v, choices=(32, 64, 128)), "32, 64 or 128"),
     "dflash_block_size": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "dflash_verify_mode": (lambda v: v in VERIFY_MODES, " or ".join(repr(m) for m in VERIFY_MODES)),
+    "dflash_tree_budget": (lambda v: v == "auto" or _int(v, lo=1, hi=64),
+                           "'auto' or an integer in 1..64 (drafted nodes per tree, verify mode 'tree')"),
     "dflash_max_ctx": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = no limit)"),
     "dflash_draft_window": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = the whole context)"),
     "dflash_copies": (_bool, "true or false"),
@@ -115,9 +116,6 @@ def check_value(name: str, value):
     ok, expected = FIELDS[name]
     if ok(value):
         return
-    if name == "dflash_verify_mode" and value in FUTURE_VERIFY_MODES:
-        raise SettingsError(
-            f"dflash_verify_mode {value!r} is not supported yet; use {expected}", name)
     raise SettingsError(f"{name} must be {expected}, got {value!r}", name)
 
 
@@ -132,6 +130,7 @@ class ModelSettings:
     dflash_draft_quant_group_size: Optional[int] = None
     dflash_block_size: Optional[int] = None
     dflash_verify_mode: Optional[str] = None
+    dflash_tree_budget: Any = None  # verify mode "tree": nodes per tree, or "auto" (the default)
     dflash_max_ctx: Optional[int] = None
     dflash_draft_window: Optional[int] = None  # context rows a draft reads (the latest)
     dflash_copies: bool = True  # copy where the text repeats itself (lookup.py); False: always draft
@@ -269,8 +268,11 @@ class ModelSettings:
         if mode != "off":
             fixed = mode == "dflash" and self.dflash_block_size is not None
             block = self.dflash_block_size if fixed else "auto"
-        return {"dflash": mode != "off", "drafter": drafter_name(self.draft), "verify_mode": mode,
-                "block_size": block}
+        out = {"dflash": mode != "off", "drafter": drafter_name(self.draft), "verify_mode": mode,
+               "block_size": block}
+        if mode in ("tree", "ddtree"):
+            out["tree_budget"] = self.dflash_tree_budget or "auto"
+        return out
 
     def check_drafter(self, model_path=None):
         """Raise SettingsError (naming the field) when the drafter cannot work as set: a

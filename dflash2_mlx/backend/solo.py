@@ -173,7 +173,8 @@ class SoloStream:
             logits_processors=g.logits_processors(), block_size=s.dflash_block_size,
             verify_mode=self.mode, seed=g.seed, draft_window=s.draft_window, draft_sink=s.draft_sink,
             prompt_cache=self.start.cache, draft_context=self.start.context,
-            cached_tokens=self.start.tokens, lookup=s.dflash_copies, continues=request.continues)
+            cached_tokens=self.start.tokens, lookup=s.dflash_copies, continues=request.continues,
+            tree_budget=(s.dflash_tree_budget or "auto") if self.mode in ("tree", "ddtree") else None)
 
     def _relay(self, gen):
         """Each token through the reply into Chunks, a step each, until it finishes, is

@@ -169,7 +169,7 @@ def speculative_generate_step(
     prompt_cache: Optional[list] = None, draft_window: Optional[int] = None, draft_sink: int = 0,
     context: Optional[DraftContext] = None, cached_tokens: int = 0, lookup: bool = True,
     settle: bool = False, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, tree_budget: Optional[int] = None,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, tree_budget: Union[int, str, None] = None,
 ) -> Iterator:
     """``block_size``: a number, "auto", or a policy (``adaptive.Policy``); ``draft_window``:
     how many of the latest context rows a draft reads (None: all), besides the first
@@ -179,8 +179,9 @@ def speculative_generate_step(
     steps end (or are closed), leave the cache holding the prompt and every token yielded,
     as mlx-lm's generate_step leaves it.  ``kv_bits``, ``kv_group_size``,
     ``quantized_kv_start``: mlx-lm's KV cache quantization (``kv_quant.py``).  ``tree_budget``:
-    drafted blocks are verified as trees of that many nodes, as deep as the block (``tree/``),
-    where the target and its caches can take one (else as chains, ``stats.chain_why``)."""
+    drafted blocks are verified as trees of that many nodes, as deep as the block (``tree/``;
+    "auto": sized each cycle by the cost curve, ``tree/budget.py``), where the target and its
+    caches can take one (else as chains, ``stats.chain_why`` says why)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
     policy = (block_size if isinstance(block_size, adaptive.Policy)
               else adaptive.policy(target, drafter, block_size, params.greedy))
@@ -195,6 +196,9 @@ def speculative_generate_step(
     copier = Lookup(prompt.tolist() + [anchor]) if lookup else None  # every token read so far
     plain = PlainSteps(seq, policy, copier)
     clock = Clock(policy)
+    costs = None
+    if tree_budget == "auto":
+        costs = getattr(policy, "costs", None) or adaptive.cost_model(target, drafter)
     try:
         yield seq.out(anchor, logprobs[0])
         while seq.emitted + plain.waiting < max_tokens:
@@ -218,7 +222,12 @@ def speculative_generate_step(
             if plain.waiting:  # drafting resumes from the last plain step's token
                 yield seq.out(*plain.take())
             clock.begin()
-            nodes = tree_budget if tree_budget and not choice.copy else 0
+            nodes = 0 if choice.copy or not tree_budget else tree_budget
+            if nodes == "auto":
+                nodes = trees.choose(costs, choice.block, seq.history.size)
+                why = None if nodes > choice.block - 1 else "no tree costs as little as the chain here"
+                nodes = nodes if why is None else 0
+                seq.stats.chain_why = why
             if nodes:
                 seq.stats.chain_why = trees.fits(target, cache, nodes + 1)
                 nodes = 0 if seq.stats.chain_why else nodes

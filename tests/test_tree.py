@@ -1,0 +1,294 @@
+"""Tree verification (``dflash2_mlx/tree``): greedy parity with mlx-lm for trees of 4..32
+nodes on every family that takes one (the rest verify chains and say why), caches equal to
+a fresh prefill after every tree cycle, the sampled rule against the target's exact
+distribution (and the biased ``min(1, p/q)`` rule caught by the same test), and bad input."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+from scipy import stats as sstats
+
+import dflash2_mlx as d
+from dflash2_mlx import tree as trees
+from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.loop.sampling import SamplingParams, log_softmax, probs
+from dflash2_mlx.loop.target import attach
+from dflash2_mlx.tree.grow import grow, log_softmax as lattice_log_softmax
+from helpers import cache_arrays, chi2_pvalue, exact_joint, params_of, plain_tokens
+from tiny_models import make_drafter, make_target
+
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_sliding"]
+BUDGETS = [4, 8, 16, 32]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """family -> (model, tokenizer, {1: v1 drafter, 2: v2 drafter}); sliding windows of 64
+    (the trees fit until the context nears them), targets sharp enough to be far from ties."""
+    out = {}
+    for fam in FAMILIES + ["qwen3_5"]:
+        root = tmp_path_factory.mktemp(fam)
+        make_target(root / "t", fam, alphabet="abcd", seed=3, window=64, scale=2.0)
+        drafters = {}
+        for v in (1, 2):
+            make_drafter(root / f"d{v}", root / "t", version=v, seed=11 + v)
+            model, tok, drafters[v] = d.load(str(root / "t"), str(root / f"d{v}"))
+        out[fam] = (model, tok, drafters)
+    return out
+
+
+def tree_tokens(model, drafter, prompt, n, budget, block_size=8, **kw):
+    target = attach(model, drafter)
+    steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=n, block_size=block_size,
+                                      tree_budget=budget, lookup=False, **kw)
+    out, stats = [], None
+    for t, _, _, stats in steps:
+        out.append(t)
+    return out, stats
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_parity_for_trees(pairs, family):
+    model, tok, drafters = pairs[family]
+    prompt = tok.encode("abcab dcba")
+    ref = plain_tokens(model, prompt, MAX_TOKENS)
+    for v in (1, 2):
+        chain, chain_stats = tree_tokens(model, drafters[v], prompt, MAX_TOKENS, None)
+        assert chain == ref
+        for budget in BUDGETS:
+            out, stats = tree_tokens(model, drafters[v], prompt, MAX_TOKENS, budget)
+            assert out == ref, f"{family} v{v} tree of {budget}: diverged from mlx-lm"
+            assert stats.trees > 0 and stats.nodes == stats.trees * budget
+            if budget >= 8:  # the walk's path is in every tree: never fewer accepted than the chain
+                assert stats.tau >= chain_stats.tau - 1e-9 or stats.cycles != chain_stats.cycles
+
+
+def test_trees_accept_more_than_the_chain_somewhere(pairs):
+    gains = []
+    for family in FAMILIES:
+        model, tok, drafters = pairs[family]
+        prompt = tok.encode("abcab dcba")
+        _, chain = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, None)
+        _, tree = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, 16)
+        gains.append(tree.tau - chain.tau)
+    assert max(gains) > 0.2, gains
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """A qwen3 pair with heads of 32 (mlx-lm quantizes KV caches in groups of 32 or more)."""
+    root = tmp_path_factory.mktemp("kv")
+    make_target(root / "t", "qwen3", alphabet="abcd", seed=3, scale=2.0, head_dim=32)
+    make_drafter(root / "d", root / "t", version=2, seed=13)
+    return d.load(str(root / "t"), str(root / "d"))
+
+
+@pytest.mark.parametrize("start", [0, 12])
+def test_greedy_parity_with_quantized_kv(wide_heads, start):
+    model, tok, drafter = wide_heads
+    drafters = {2: drafter}
+    prompt = tok.encode("abcab dcba")
+    from mlx_lm.generate import generate_step
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS, kv_bits=8,
+                                            kv_group_size=32, quantized_kv_start=start)]
+    for budget in (4, 16):
+        out, stats = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, budget, kv_bits=8, kv_group_size=32,
+                                 quantized_kv_start=start)
+        assert out == ref and stats.trees > 0
+
+
+def test_greedy_parity_with_a_logits_processor(pairs):
+    model, tok, drafters = pairs["qwen3"]
+    prompt = tok.encode("abcab dcba")
+    procs = make_logits_processors(repetition_penalty=1.3, repetition_context_size=6)
+    ref = plain_tokens(model, prompt, MAX_TOKENS, procs)
+    out, stats = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, 16, logits_processors=procs)
+    assert out == ref and stats.trees > 0
+
+
+def test_hybrid_targets_verify_chains_and_say_why(pairs):
+    model, tok, drafters = pairs["qwen3_5"]
+    prompt = tok.encode("abcab dcba")
+    out, stats = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, 16)
+    assert out == plain_tokens(model, prompt, MAX_TOKENS)
+    assert stats.trees == 0 and stats.chain_why == "recurrent layers cannot take a tree"
+
+
+def test_sliding_window_trees_stop_at_the_window_and_stay_exact(pairs):
+    model, tok, drafters = pairs["llama_sliding"]
+    prompt = tok.encode("abcab dcba")
+    out, stats = tree_tokens(model, drafters[2], prompt, 80, 16)
+    assert out == plain_tokens(model, prompt, 80)
+    assert stats.trees > 0 and stats.chain_why == "the tree would reach a sliding window"
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_cache_equals_fresh_prefill_after_every_tree_cycle(pairs, temp):
+    model, tok, drafters = pairs["qwen3"]
+    drafter = drafters[2]
+    target = attach(model, drafter)
+    prompt = tok.encode("dcba abcd")
+    cache = target.make_cache()
+    mx.random.seed(7)
+    steps = speculative_generate_step(mx.array(prompt), target, drafter, max_tokens=30, block_size=6,
+                                      params=SamplingParams(temp=temp), prompt_cache=cache, tree_budget=12,
+                                      lookup=False)
+    tokens, seen, checks = [], 0, []
+    for t, _, _, stats in steps:
+        if stats.cycles != seen:
+            seen = stats.cycles
+            checks.append((len(tokens), stats.accepted, cache_arrays(cache)))
+        tokens.append(t)
+    assert len(checks) >= 4 and any(a > 0 for _, a, _ in checks)
+    for n_before, accepted, state in checks:
+        fresh = target.make_cache()
+        target(mx.array([prompt + tokens[: n_before + accepted]]), fresh)
+        ref = cache_arrays(fresh)
+        assert [a.shape for a in state] == [b.shape for b in ref]
+        for a, b in zip(state, ref):
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_grow_holds_the_walk_then_the_likeliest_paths():
+    rng = np.random.default_rng(0)
+    D, k = 4, 5
+    cand = np.arange(D * k).reshape(D, k) + 100
+    scores = rng.normal(size=(D, k, k)) * 2
+    scores[0] = scores[0, :1]  # position 1's row is the anchor's, whatever a
+    tree = grow(7, cand, scores, 12)
+    assert tree.size == 12 and tree.tokens[0] == 7 and tree.depths.max() <= D
+    assert all(tree.parents[i] < i for i in range(1, tree.tokens.size))
+    # The first D nodes are the greedy walk.
+    prev = 0
+    for t in range(D):
+        assert tree.tokens[t + 1] == cand[t, np.argmax(scores[t, prev])]
+        prev = int(np.argmax(scores[t, prev]))
+    # Best first: every path left out is no likelier than the least likely one taken.
+    lp = lattice_log_softmax(scores)
+
+    def logp(node):
+        path, total, prev = tree.path_to(node), 0.0, 0
+        for n in path[1:]:
+            c = int(np.nonzero(cand[tree.depths[n] - 1] == tree.tokens[n])[0][0])
+            total += lp[tree.depths[n] - 1, prev, c]
+            prev = c
+        return total
+
+    taken = [logp(i) for i in range(D + 1, tree.tokens.size)]
+    children = tree.children()
+    for node in range(tree.tokens.size):
+        if tree.depths[node] >= D:
+            continue
+        prev = 0 if node == 0 else int(np.nonzero(cand[tree.depths[node] - 1] == tree.tokens[node])[0][0])
+        for c in range(k):
+            if int(cand[tree.depths[node], c]) not in children[node]:
+                assert logp(node) + lp[tree.depths[node], prev, c] <= min(taken) + 1e-9
+
+
+def test_bad_budgets_and_modes_are_refused(pairs):
+    model, tok, drafters = pairs["qwen3"]
+    for bad in (0, 65, -3, "lots"):
+        with pytest.raises(ValueError, match="tree budget .* is impossible"):
+            d.generate(model, tok, "ab", drafters[2], max_tokens=4, verify_mode="tree", tree_budget=bad)
+    with pytest.raises(ValueError, match="needs verify_mode='tree'"):
+        d.generate(model, tok, "ab", drafters[2], max_tokens=4, tree_budget=8)
+    text = d.generate(model, tok, "ab", drafters[2], max_tokens=8, verify_mode="ddtree", tree_budget="8")
+    assert text == d.generate(model, tok, "ab", drafters[2], max_tokens=8, verify_mode="off")
+
+
+def test_the_stats_line_reports_trees(pairs):
+    from dflash2_mlx.generate import stats_line
+    model, tok, drafters = pairs["qwen3"]
+    last = None
+    for last in d.stream_generate(model, tok, "abcab dcba", drafters[2], max_tokens=20, block_size=6,
+                                  verify_mode="tree", tree_budget=16, lookup=False):
+        pass
+    assert last.trees > 0 and last.tree_nodes == 16 * last.trees
+    assert f"trees {last.trees}: 16.0 nodes, depth" in stats_line(last)
+    model, tok, drafters = pairs["qwen3_5"]
+    for last in d.stream_generate(model, tok, "abcab dcba", drafters[2], max_tokens=20, block_size=6,
+                                  verify_mode="tree", tree_budget=16, lookup=False):
+        pass
+    assert "trees none (recurrent layers cannot take a tree)" in stats_line(last)
+
+
+# Sampling ----------------------------------------------------------------------------------
+
+N = 1200
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree-sampling")
+    make_target(root / "t", "qwen3", alphabet="ab", seed=5, scale=1.5)
+    out = {}
+    for v in (1, 2):
+        make_drafter(root / f"d{v}", root / "t", version=v, seed=20 + v, block_size=4)
+        out[v] = d.load(str(root / "t"), str(root / f"d{v}"))
+    return out
+
+
+CASES = [
+    (2, dict(temp=1.0)),
+    (1, dict(temp=0.8, top_p=0.9)),
+    pytest.param(2, dict(temp=1.2, top_k=3, min_p=0.05, rep=(1.6, 4)), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("version,kw", CASES)
+def test_sampled_trees_follow_the_target_distribution(sharp, version, kw):
+    model, tok, drafter = sharp[version]
+    prompt = tok.encode("ab")
+    rep = kw.pop("rep", None)
+    params = params_of(kw)
+    procs = make_logits_processors(repetition_penalty=rep[0], repetition_context_size=rep[1]) if rep else None
+    counts, accepted, n_trees = {}, 0, 0
+    for seed in range(N):
+        mx.random.seed(seed)
+        toks, st = tree_tokens(model, drafter, prompt, 3, 4, block_size=3, params=params, logits_processors=procs)
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+        accepted += st.tree_accepted
+        n_trees += st.trees
+    joint = exact_joint(model, prompt, 3, rep=rep, **kw)
+    p = chi2_pvalue(counts, joint, N)
+    assert p > ALPHA, f"sampled tree tokens do not follow the target distribution (p = {p:.2e})"
+    assert n_trees > 0 and 0 < accepted < 2 * n_trees  # paths accepted, and left
+    wrong = exact_joint(model, prompt, 3, rep=rep, **{**kw, "temp": kw["temp"] * 2})
+    assert chi2_pvalue({k: v for k, v in counts.items() if k in wrong}, wrong,
+                       sum(v for k, v in counts.items() if k in wrong)) < ALPHA
+
+
+def biased_first_token(p: np.ndarray, q: np.ndarray, children: list, rng) -> int:
+    """The rule the tree must not use: each child in turn accepted with min(1, p/q), else the
+    residual max(p - q, 0) drawn from: right for one child drawn from q, not for top-k."""
+    for c in children:
+        if rng.uniform() < min(1.0, p[c] / q[c]):
+            return c
+    r = np.maximum(p - q, 0)
+    return int(rng.choice(len(p), p=r / r.sum()))
+
+
+def test_the_tree_rule_is_exact_and_the_biased_rule_is_caught():
+    """One node with two children (the drafter's top 2): the first emitted token must follow
+    p.  ``trees.accept`` passes the chi-square test; the child-by-child min(1, p/q) rule
+    fails it on the same numbers."""
+    logits = mx.array([[2.0, 1.5, 0.3, -1.0, 0.0]])
+    q = np.array([0.45, 0.35, 0.1, 0.05, 0.05])
+    params = SamplingParams(temp=1.0)
+    p = np.array(probs(log_softmax(logits), params)[0], dtype=np.float64)
+    p /= p.sum()
+    tree = trees.Tree(np.array([9, 0, 1]), np.array([-1, 0, 0]), np.array([0, 1, 1]))
+    rows = mx.concatenate([logits, mx.zeros((2, 5))])  # the children's rows: only reached on acceptance
+    n = 4000
+    ours, biased = np.zeros(5), np.zeros(5)
+    rng = np.random.default_rng(0)
+    mx.random.seed(0)
+    for _ in range(n):
+        path, token, _ = trees.accept(tree, rows, mx.array([9]), None, params)
+        ours[int(tree.tokens[path[1]]) if len(path) > 1 else token] += 1
+        biased[biased_first_token(p, q, [0, 1], rng)] += 1
+    assert sstats.chisquare(ours, p * n).pvalue > ALPHA
+    assert sstats.chisquare(biased, p * n).pvalue < 1e-6
