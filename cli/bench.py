@@ -42,6 +42,7 @@ def bench(
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="Add a row running the DFlash 2 drafter with adaptive speculation (block size auto)."),
     copies: bool = typer.Option(True, "--copies/--no-copies", help="Add the DFlash 2 fixed and adaptive rows again with copies where the sequence repeats itself (generate's default; the other rows draft every block)."),
     temps: List[float] = typer.Option([0.0, 1.0], "--temp", help="Temperatures; repeat."),
+    trees: List[int] = typer.Option([], "--tree", help="Add a row verifying DFlash 2 trees of this many nodes (as deep as the fixed block; repeat, e.g. --tree 8 --tree 16 --tree 32)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target directory or hub id. Default: the built-in SmolLM2-135M-Instruct (then the drafters default to the shipped ones)."),
     drafter_v2: Optional[str] = typer.Option(None, "--drafter-v2", help="DFlash 2 drafter. Default with the built-in target: the shipped one."),
     drafter_v1: Optional[str] = typer.Option(None, "--drafter-v1", help="DFlash v1 drafter. Default with the built-in target: the shipped comparison drafter."),
@@ -92,7 +93,7 @@ def bench(
     try:
         report = run_bench(target, tokenizer, drafters, benches, temps=temps, max_tokens=max_tokens,
                            block_size=block_size, adaptive=adaptive, seed=seed, sweep=sweep, copies=copies,
-                           log=lambda s: typer.echo(s, err=True))
+                           trees=trees, log=lambda s: typer.echo(s, err=True))
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

@@ -451,6 +451,12 @@ def stats_line(r: GenerationResponse) -> str:
             + trees_text(r))
 
 
+def tree_report(r: GenerationResponse) -> dict:
+    """Tree mode's statistics as the APIs report them (their dflash block's "trees")."""
+    return {"trees": r.trees, "nodes_verified": r.tree_nodes, "depth_accepted": r.tree_accepted,
+            "chain_why": r.chain_why}
+
+
 def trees_text(r: GenerationResponse) -> str:
     """Tree mode's part of the stats line: nodes verified and depth accepted per tree."""
     if r.trees:

@@ -59,7 +59,9 @@ def test_generate_from_messages_file_with_sampling(pair, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--block-size", "9"], "block size 9 is impossible"),
     (["--draft-bits", "3"], "bits must be 2, 4 or 8"),
-    (["--verify-mode", "tree"], "verify mode 'tree' is not supported"),
+    (["--verify-mode", "forest"], "verify mode 'forest' is not supported"),
+    (["--verify-mode", "tree", "--tree-budget", "0"], "tree budget 0 is impossible"),
+    (["--tree-budget", "8"], "tree_budget='8' needs verify_mode='tree'"),
 ])
 def test_generate_bad_options(pair, args, message):
     r = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--prompt", "ab",

@@ -598,3 +598,18 @@ def test_target_the_batch_refuses_serves_each_request_as_its_own_stream(tmp_path
     assert not stats["batching"] and stats["batch_steps"] == 0
     for p, got in zip(prompts, done):
         assert got.text == reference(p, max_tokens=20) and got.engine["dflash"]
+
+
+def test_tree_mode_decodes_exactly_and_reports_its_trees(models, reference):
+    _, target, drafter = models
+    e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter), dflash_block_size=5,
+                                     dflash_verify_mode="ddtree", dflash_tree_budget=8), max_batch=1)
+    run(e.start())
+    try:
+        got = run(e.generate("hello world", max_tokens=20))
+    finally:
+        run(e.stop())
+    assert got.text == reference("hello world", max_tokens=20)
+    assert got.engine["verify_mode"] == "ddtree" and got.engine["tree_budget"] == 8
+    assert got.trees["trees"] > 0 and got.trees["nodes_verified"] == 8 * got.trees["trees"]
+    assert got.trees["chain_why"] is None

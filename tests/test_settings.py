@@ -82,7 +82,7 @@ def test_roundtrip_keeps_unknown_keys_and_drops_none(tmp_path):
     ("dflash_draft_quant_activation_bits", 8),
     ("dflash_draft_quant_group_size", 48),
     ("dflash_block_size", 0),
-    ("dflash_verify_mode", "tree"),
+    ("dflash_verify_mode", "forest"),
     ("dflash_max_ctx", -1),
     ("dflash_max_ctx", 1.5),
     ("max_context_window", 0),

@@ -265,8 +265,11 @@ def usage(c) -> dict:
 
 def dflash_stats(c) -> dict:
     """How a response was decoded (DFlash on/off, drafter, block size) and its draft statistics."""
-    return {**c.engine, "tau": c.tau, "cycles": c.cycles, "block_sizes": c.block_sizes,
-            "fallback": c.fallback, "shadows": c.shadows}
+    out = {**c.engine, "tau": c.tau, "cycles": c.cycles, "block_sizes": c.block_sizes,
+           "fallback": c.fallback, "shadows": c.shadows}
+    if c.trees is not None:
+        out["trees"] = c.trees
+    return out
 
 
 def chat_logprobs(entries: Optional[List[dict]]) -> Optional[dict]:

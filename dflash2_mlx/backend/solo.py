@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..generate import stream_generate
+from ..generate import stream_generate, tree_report
 from ..loop.random_keys import RandomStream, fresh_key
 from ..loop.scoring import prompt_logprobs
 from .admission import DONE, Request
@@ -192,7 +192,8 @@ class SoloStream:
                            completion_tokens=self.n, tool_calls=calls, tau=last.tau, cycles=last.cycles,
                            generation_tps=last.generation_tps, block_sizes=last.block_sizes,
                            fallback=last.fallback, cached_tokens=self.start.reused, engine=self.decoding,
-                           shadows=last.shadows, logprobs=reply.take(), stop_sequence=reply.matcher.hit))
+                           shadows=last.shadows, logprobs=reply.take(), stop_sequence=reply.matcher.hit,
+                           trees=tree_report(last) if self.mode in ("tree", "ddtree") else None))
             if self.finish:
                 break
             yield

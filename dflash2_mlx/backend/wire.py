@@ -49,6 +49,7 @@ class Output:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     engine: dict = field(default_factory=dict)  # how this request is decoded (ModelSettings.engine)
     shadows: int = 0  # plain steps that carried a shadow probe (adaptive speculation)
+    trees: Optional[dict] = None  # verify mode tree: trees, nodes verified, depth accepted
     # With the request option logprobs: one entry per token, OpenAI's
     # {token, logprob, bytes, top_logprobs} (the target's log-probabilities, as mlx-lm's).
     logprobs: List[dict] = field(default_factory=list)
@@ -83,5 +84,5 @@ async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
                       completion_tokens=last.completion_tokens, tool_calls=calls, tau=last.tau,
                       cycles=last.cycles, generation_tps=last.generation_tps, block_sizes=last.block_sizes,
                       fallback=last.fallback, cached_tokens=last.cached_tokens, engine=last.engine,
-                      shadows=last.shadows, logprobs=logprobs, prompt_logprobs=prompt,
+                      shadows=last.shadows, trees=last.trees, logprobs=logprobs, prompt_logprobs=prompt,
                       stop_sequence=last.stop_sequence)

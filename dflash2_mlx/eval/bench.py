@@ -26,6 +26,7 @@ import numpy as np
 
 from ..adaptive import cost_model
 from ..loop.target import attach
+from ..tree import check_budget as trees_check
 from ..machine.identity import describe
 from ..train.data import encode
 from .profile import cycle_breakdown, format_breakdown
@@ -63,31 +64,34 @@ def warm_up(model, tokenizer, runs: Dict[str, tuple]):
     calibration (once per pair and machine, then cached) are not timed."""
     ids = tokenizer.encode("Hello")
     run_plain(model, tokenizer, ids, 0.0, 4, 0)
-    for d, block_size, lookup in runs.values():
-        run_dflash(model, tokenizer, d, ids, 0.0, 4, block_size, 0, lookup)
+    for d, block_size, lookup, tree in runs.values():
+        run_dflash(model, tokenizer, d, ids, 0.0, 4, block_size, 0, lookup, tree)
 
 
 def dflash_runs(drafters: Dict[str, object], block_size: Optional[int], adaptive: bool,
-                sweep: Sequence[int] = (), copies: bool = True) -> Dict[str, tuple]:
-    """{method: (drafter, block size, lookup)}: each drafter at the fixed block size, the
-    last one (DFlash 2) also at each ``sweep`` size as "<label> block b" and with block
-    size "auto" as "<label> adaptive", all drafting every block; with ``copies``, its
-    fixed and adaptive rows again copying where the sequence repeats ("... + copies")."""
+                sweep: Sequence[int] = (), copies: bool = True, trees: Sequence[int] = ()) -> Dict[str, tuple]:
+    """{method: (drafter, block size, lookup, tree budget)}: each drafter at the fixed block
+    size, the last one (DFlash 2) also at each ``sweep`` size as "<label> block b", verifying
+    trees of each of ``trees`` nodes as "<label> tree n" and with block size "auto" as
+    "<label> adaptive", all drafting every block; with ``copies``, its fixed and adaptive
+    rows again copying where the sequence repeats ("... + copies")."""
     fixed = block_size or FIXED_BLOCK
-    runs = {k: (d, min(fixed, d.config.block_size), False) for k, d in drafters.items()}
+    runs = {k: (d, min(fixed, d.config.block_size), False, None) for k, d in drafters.items()}
     if drafters:
         label = list(drafters)[-1]
         for b in sorted(set(sweep) - {runs[label][1]}):
             if not 1 <= b <= drafters[label].config.block_size:
                 raise ValueError(f"sweep block size {b} is impossible for the {label} drafter: "
                                  f"use 1..{drafters[label].config.block_size}")
-            runs[f"{label} block {b}"] = (drafters[label], b, False)
+            runs[f"{label} block {b}"] = (drafters[label], b, False, None)
+        for n in trees:
+            runs[f"{label} tree {n}"] = (drafters[label], runs[label][1], False, trees_check(n))
         if adaptive:
-            runs[f"{label} adaptive"] = (drafters[label], "auto", False)
+            runs[f"{label} adaptive"] = (drafters[label], "auto", False, None)
         if copies:
-            runs[f"{label} + copies"] = (drafters[label], runs[label][1], True)
+            runs[f"{label} + copies"] = (drafters[label], runs[label][1], True, None)
             if adaptive:
-                runs[f"{label} adaptive + copies"] = (drafters[label], "auto", True)
+                runs[f"{label} adaptive + copies"] = (drafters[label], "auto", True, None)
     return runs
 
 
@@ -105,18 +109,18 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
               temps: Sequence[float] = (0.0, 1.0), max_tokens: int = 64,
               block_size: Optional[int] = None, adaptive: bool = True, seed: int = 0,
               sweep: Sequence[int] = (), log: Optional[Callable[[str], None]] = None,
-              copies: bool = True) -> dict:
+              copies: bool = True, trees: Sequence[int] = ()) -> dict:
     """Run plain decoding and every drafter on every prompt at every temperature.
 
     ``drafters``: {label: Drafter}, run at ``block_size`` (default 5), the last also
     adaptively unless ``adaptive`` is False.  Returns the report dict (see ``write_report``)."""
     say = log or (lambda s: None)
-    runs = dflash_runs(drafters, block_size, adaptive, sweep, copies)
+    runs = dflash_runs(drafters, block_size, adaptive, sweep, copies, trees)
     methods = [PLAIN, *runs]
     temp_keys = [f"T={t:g}" for t in temps]
     report = {
         "config": {"temps": list(temps), "max_tokens": max_tokens,
-                   "block_size": block_size or FIXED_BLOCK, "adaptive": adaptive, "copies": copies, "seed": seed, "benches": {b: len(p) for b, p in benches.items()},
+                   "block_size": block_size or FIXED_BLOCK, "adaptive": adaptive, "trees": list(trees), "copies": copies, "seed": seed, "benches": {b: len(p) for b, p in benches.items()},
                    "drafters": {k: {"version": d.version, "trained_block_size": d.config.block_size,
                                     "layers": d.config.num_hidden_layers}
                                 for k, d in drafters.items()}},
@@ -141,8 +145,8 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
                 plain = run_plain(model, tokenizer, ids, temp, max_tokens, run_seed)
                 tallies[bench][tk][PLAIN].add(plain)
                 line = [f"plain {_rate(plain)}"]
-                for name, (drafter, bs, lookup) in runs.items():
-                    run = run_dflash(model, tokenizer, drafter, ids, temp, max_tokens, bs, run_seed, lookup)
+                for name, (drafter, bs, lookup, tree) in runs.items():
+                    run = run_dflash(model, tokenizer, drafter, ids, temp, max_tokens, bs, run_seed, lookup, tree)
                     tallies[bench][tk][name].add(run)
                     tau = (sum(run["acceptance_counts"]) + run["cycles"]) / max(run["cycles"], 1)
                     line.append(f"{name} {_rate(run)} tau {tau:.2f}")
@@ -181,7 +185,7 @@ def results(tallies: Dict[str, Dict[str, Dict[str, RunTally]]], methods: List[st
 
 def _costs(model, runs) -> Optional[dict]:
     """The adaptive row's cost model (measured in the warm-up, or cached before)."""
-    auto = [d for d, bs, _ in runs.values() if bs == "auto"]
+    auto = [d for d, bs, *_ in runs.values() if bs == "auto"]
     return cost_model(attach(model, auto[0]), auto[0]).to_json() if auto else None
 
 

@@ -30,11 +30,13 @@ def run_plain(model, tokenizer, ids: List[int], temp: float, max_tokens: int, se
 
 
 def run_dflash(model, tokenizer, drafter, ids: List[int], temp: float, max_tokens: int,
-               block_size, seed: int, lookup: bool = False) -> dict:
-    """One DFlash run through the public ``stream_generate``: tokens, timing, draft stats."""
+               block_size, seed: int, lookup: bool = False, tree: Optional[int] = None) -> dict:
+    """One DFlash run through the public ``stream_generate``: tokens, timing, draft stats
+    (``tree``: verifying trees of that many nodes)."""
     tokens, last = [], None
     for last in stream_generate(model, tokenizer, ids, drafter, max_tokens=max_tokens,
-                                temp=temp, block_size=block_size, seed=seed, lookup=lookup):
+                                temp=temp, block_size=block_size, seed=seed, lookup=lookup,
+                                verify_mode="tree" if tree else "dflash", tree_budget=tree):
         tokens.append(int(last.token))
     out = record(tokens, last)
     out.update(cycles=last.cycles if last else 0,
