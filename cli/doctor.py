@@ -13,6 +13,7 @@ def register(app: typer.Typer):
 def doctor(
     exact: bool = typer.Option(False, "--exact", help="Also run the exactness probe on the target (verify passes against one-row decode steps), measure it anew and keep its verdict."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target for --exact. Default: the built-in SmolLM2-135M-Instruct."),
+    costs: bool = typer.Option(False, "--costs", help="Print the verify-cost curves: this machine's measured ones (a pass over N rows against one row) beside the named curves of other machines (an H200, an M4-Pro-shaped one)."),
     recalibrate: bool = typer.Option(False, "--recalibrate", help="Forget this machine's measured pass costs and live timings (every pair): the next DFlash request measures them again, e.g. after a calibration taken while the machine was busy."),
 ):
     """Report the BLAS in use (Linux CPU), per kernel the active path and self-check result,
@@ -30,3 +31,7 @@ def doctor(
         typer.echo(f"recalibrate: {len(gone)} kept cost and timing file(s) removed from {store.cache_dir()}; "
                    "the next DFlash request measures again")
     exactness_report(model, measure=exact, echo=typer.echo)
+    if costs:
+        from ..machine.doctor import costs_report
+
+        costs_report(echo=typer.echo)

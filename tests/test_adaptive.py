@@ -474,7 +474,7 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     costs = adaptive.cost_model(target, drafter)
     files = list((tmp_path / "adaptive").glob("costs-*.json"))
     assert len(files) == 1
-    assert set(costs.target) == set(range(1, 9)) | {12, 15} and set(costs.drafter) == {2, 8}
+    assert set(costs.target) == set(range(1, 10)) | {12, 15, 17, 33} and set(costs.drafter) == {2, 8}
     short = adaptive.CONTEXTS[0]
     # Never cheaper (up to rounding: equal measured points interpolate to within an ulp).
     assert all(costs.cycle(b, short) <= costs.cycle(b + 1, short) + 1e-12 for b in range(1, 8))
@@ -488,9 +488,43 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     adaptive.cost_models.clear()
     assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again
     extra = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1), sizes=[4])
-    assert set(extra.target) == set(range(1, 9)) | {12, 15} and set(extra.drafter) == {2, 4, 8}
+    assert set(extra.target) == set(range(1, 10)) | {12, 15, 17, 33} and set(extra.drafter) == {2, 4, 8}
     other = pair["qwen3_5"]
     assert adaptive.cost_key(attach(other[0], other[2]), other[2]) != adaptive.cost_key(target, drafter)
+
+
+def test_a_calibration_on_a_busy_machine_is_measured_again_and_not_kept(pair, tmp_path, monkeypatch):
+    """Every core busy with other processes while the pair is calibrated: the calibration is
+    taken twice, said to be busy, serves this process for a while only, and no cost file is
+    written (a quiet calibration is kept: the test above)."""
+    import os
+    import subprocess
+    import sys
+
+    from dflash2_mlx.machine.contention import BUSY_SHARE, Watch
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    adaptive.cost_models.clear()
+    model, tok, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    loaders = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        watch = Watch()
+        time.sleep(0.5)
+        assert watch.others() > BUSY_SHARE  # the loaders show as other processes' work
+        calls = []
+        real = adaptive.costs.calibrate
+        monkeypatch.setattr(adaptive.costs, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+        costs = adaptive.cost_model(target, drafter)
+    finally:
+        for p in loaders:
+            p.kill()
+            p.wait(timeout=10)
+    assert len(calls) == 2 and costs.busy > BUSY_SHARE
+    assert not list((tmp_path / "adaptive").glob("costs-*.json"))
+    assert adaptive.cost_model(target, drafter) is costs  # within BUSY_RETRY_S: this one serves
+    costs.created -= adaptive.costs.BUSY_RETRY_S + 1
+    assert costs.expired()  # ... then the next request measures again
 
 
 def test_history_seeds_the_next_request(pair, tmp_path, monkeypatch):

@@ -292,3 +292,15 @@ def test_the_tree_rule_is_exact_and_the_biased_rule_is_caught():
         biased[biased_first_token(p, q, [0, 1], rng)] += 1
     assert sstats.chisquare(ours, p * n).pvalue > ALPHA
     assert sstats.chisquare(biased, p * n).pvalue < 1e-6
+
+
+def test_auto_budget_follows_the_cost_curve():
+    """The H200's plateau (8-16 rows cost less than 5) takes wide trees; a curve that rises
+    from the first rows (shaped like the published M4 Pro one) keeps the chain."""
+    from dflash2_mlx.adaptive import curves
+
+    h200, m4 = curves.cost_model("h200-27b-4bit"), curves.cost_model("m4pro-shaped")
+    assert trees.choose(h200, 5, 0) == 32 and trees.choose(h200, 8, 0) == 8
+    assert trees.choose(m4, 5, 0) == 4 and trees.choose(m4, 8, 0) == 7
+    with pytest.raises(ValueError, match="no cost curve named 'mac'"):
+        curves.load("mac")

@@ -10,6 +10,7 @@
     policies.py    ``Fixed`` and ``Adaptive`` (probes, shadow probes, copies weighed against
                    drafts), the ``Policy`` protocol and ``Choice`` the loop uses, ``policy(...)``
     store.py       the JSON files they are kept in
+    curves/        named verify-cost curves of other machines (fixtures, with their sources)
 
 The choice depends only on the past, so every cycle stays lossless whatever it picks.
 """

@@ -11,19 +11,24 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..loop.sampling import SamplingParams
+from ..machine.contention import BUSY_SHARE, Watch
 from ..machine.identity import identity
 from ..model.drafter import propose
 from . import store
 
 STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
+BUSY_RETRY_S = 120.0  # ... one measured while other processes used the machine, after this
 CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
-CALIBRATION = 5  # bumped when calibrate() measures differently: older cost files are remeasured
+CALIBRATION = 6  # bumped when calibrate() measures differently: older cost files are remeasured
 # Rows a copy may verify when the block size is chosen ("auto"): a copy is not bound to the
 # drafter's trained block, and a loop is accepted far; 15 is the widest verify the CPU split
 # computes in two halves (cpu_split.MAX_ROWS).  Calibrated at COPY_ROWS, interpolated between.
 COPY_LARGEST = 15
 COPY_ROWS = (12, COPY_LARGEST)
+# Rows of the trees ``--tree-budget auto`` weighs (8, 16 and 32 nodes and the anchor): a
+# curve may step between them (a GPU's matmul tiles), so each is measured, not extrapolated.
+TREE_ROWS = (9, 17, 33)
 
 Line = Tuple[float, float]  # (seconds at context 0, extra seconds per context token)
 
@@ -49,6 +54,11 @@ class CostModel:
     drafter: Dict[int, Line]
     created: float = field(default_factory=time.time)
     calibration_s: float = 0.0
+    busy: float = 0.0  # the share of the machine's cores other processes used while it was measured
+
+    def expired(self) -> bool:
+        """Measure again: after a week, or soon when it was measured on a busy machine."""
+        return time.time() - self.created > (BUSY_RETRY_S if self.busy > BUSY_SHARE else STALE_AFTER_S)
 
     def cycle(self, b: int, context: int) -> float:
         seconds = self.verify(b, context)
@@ -67,7 +77,7 @@ class CostModel:
         ``exact=True`` verifies with where passes are not row-exact (``loop/exactness.py``)."""
         base, slope = interp(self.target, 1)
         return CostModel({b: (b * base, b * slope) for b in range(1, largest + 1)}, self.drafter,
-                         self.created, self.calibration_s)
+                         self.created, self.calibration_s, self.busy)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -76,7 +86,7 @@ class CostModel:
     def from_json(cls, data: dict) -> "CostModel":
         lines = lambda d: {int(k): tuple(v) for k, v in d.items()}
         return cls(lines(data["target"]), lines(data["drafter"]), data["created"],
-                   data.get("calibration_s", 0.0))
+                   data.get("calibration_s", 0.0), data.get("busy", 0.0))
 
 
 def _pad(cache, n: int):
@@ -99,8 +109,8 @@ def _timed(fn) -> float:
 
 def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = (3, 8),
               sizes: Optional[List[int]] = None) -> CostModel:
-    """Measure target passes over every block up to 8 rows (and B, and COPY_ROWS for copies
-    wider than B) and drafter steps with blocks 2 and B (and ``sizes``) at a short context,
+    """Measure target passes over every block up to 8 rows (and B, COPY_ROWS for copies
+    wider than B, and TREE_ROWS for trees) and drafter steps with blocks 2 and B (and ``sizes``) at a short context,
     1 and B rows at a long one, and fit ``base + slope * context`` per block size (others
     are interpolated).  Every small block is measured because a verify pass's cost is far
     from linear in its rows: a middle block interpolated from its neighbours is priced
@@ -109,7 +119,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     multi-row pass against plain steps, which sends adaptive decoding to plain steps where
     drafting pays), and a block never costs less than a smaller one: a burst of other work
     on the machine cannot make a large block look cheap."""
-    tic = time.perf_counter()
+    tic, watch = time.perf_counter(), Watch()
     B, mask = drafter.config.block_size, drafter.config.mask_token_id
     short, long = CONTEXTS
     caches = {}
@@ -145,7 +155,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
             c.trim(1)
 
     sizes = sorted(set(sizes or []) | {2, B})
-    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B})
+    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B} | set(TREE_ROWS))
     points = ([(target_pass, b, short) for b in [1] + rows] + [(target_pass, b, long) for b in {1, B}]
               + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
     target_pass(2, short)  # warm-up: one pass is enough (a plain chain is four)
@@ -171,7 +181,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
         return out
 
     return CostModel(lines(target_pass, [1] + rows), lines(drafter_step, sizes),
-                     calibration_s=time.perf_counter() - tic)
+                     calibration_s=time.perf_counter() - tic, busy=watch.others())
 
 
 def shapes(module) -> list:
@@ -193,21 +203,37 @@ def cost_model(target, drafter, key: Optional[str] = None) -> CostModel:
     else calibrated now (and saved).  ``key``: the pair's ``cost_key``, when the caller has it."""
     key = key or cost_key(target, drafter)
     costs = cost_models.get(key)
-    if costs is None or time.time() - costs.created > STALE_AFTER_S:
+    if costs is None or costs.expired():
         path = store.cache_dir() / f"costs-{key}.json"
         data = store.read(path)
         try:
             costs = CostModel.from_json(data)
         except (TypeError, KeyError, ValueError, AttributeError):
             costs = None
-        if costs is None or time.time() - costs.created > STALE_AFTER_S:
-            # Said, not silent: the first request on a machine waits for it (seconds).
-            print("dflash2-mlx: first use: timing this pair's passes on this machine (once; "
-                  "`dflash2-mlx doctor --recalibrate` measures again) ...", end=" ",
-                  file=sys.stderr, flush=True)
-            tic = time.perf_counter()
-            costs = calibrate(target, drafter)
-            store.write(path, costs.to_json())
-            print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
+        if costs is None or costs.expired():
+            costs = measured(target, drafter, path)
         cost_models[key] = costs
+    return costs
+
+
+def measured(target, drafter, path) -> CostModel:
+    """A fresh calibration, kept at ``path``.  One taken while other processes used the
+    machine is taken again at once; if the machine is still busy the quieter one is used by
+    this process for BUSY_RETRY_S and not kept: a busy machine's prices would send adaptive
+    decoding to plain steps (or trees to chains) for days."""
+    # Said, not silent: the first request on a machine waits for it (seconds).
+    print("dflash2-mlx: first use: timing this pair's passes on this machine (once; "
+          "`dflash2-mlx doctor --recalibrate` measures again) ...", end=" ", file=sys.stderr, flush=True)
+    tic = time.perf_counter()
+    costs = calibrate(target, drafter)
+    if costs.busy > BUSY_SHARE:
+        again = calibrate(target, drafter)
+        costs = min(costs, again, key=lambda c: c.busy)
+    if costs.busy > BUSY_SHARE:
+        print(f"done in {time.perf_counter() - tic:.0f} s, but other processes used {costs.busy:.0%} of this "
+              f"machine's cores meanwhile: these costs serve for {BUSY_RETRY_S:.0f} s, then are measured again",
+              file=sys.stderr, flush=True)
+        return costs
+    store.write(path, costs.to_json())
+    print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
     return costs

@@ -115,3 +115,34 @@ def exactness_report(model: Optional[str] = None, measure: bool = False, echo=pr
              + ("" if v.exact else f"; {v.differing:.0%} of logits differ: greedy output is plain "
                 "decoding's with --exact (one-row verify), else it may leave it at a near-tie"))
     return verdicts
+
+
+def costs_report(echo=print) -> list:
+    """The verify-cost curves kept on this machine (one per calibrated pair) and the named
+    fixture curves of other machines, as one table: a pass over N rows in one-row passes."""
+    from ..adaptive import CostModel, curves, store
+
+    columns = []
+    for path in sorted(store.cache_dir().glob("costs-*.json")):
+        try:
+            costs = CostModel.from_json(store.read(path))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            continue
+        one = costs.verify(1, 0)
+        columns.append((f"here {path.stem[6:14]}", {r: costs.verify(r, 0) / one for r in costs.target},
+                        f"1 row {one * 1e3:.1f} ms"))
+    for name in curves.names():
+        rel, curve = curves.relative(name), curves.load(name)
+        shown = set(curve["measured_rows"]) or set(rel)
+        columns.append((name, {r: v for r, v in rel.items() if r in shown}, "fixture"))
+    if not any(c[2] != "fixture" for c in columns):
+        echo("verify costs here: not measured yet (the first `--block-size auto` or `--tree-budget auto` "
+             "request measures them)")
+    rows = sorted({r for _, col, _ in columns for r in col})
+    echo("verify pass over N rows, in one-row passes (fixtures: dflash2_mlx/adaptive/curves/):")
+    echo("| rows | " + " | ".join(name for name, _, _ in columns) + " |")
+    echo("|---|" + "---|" * len(columns))
+    for r in rows:
+        echo(f"| {r} | " + " | ".join(f"{col[r]:.2f}" if r in col else "" for _, col, _ in columns) + " |")
+    echo("| | " + " | ".join(note for _, _, note in columns) + " |")
+    return columns

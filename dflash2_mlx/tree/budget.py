@@ -12,7 +12,7 @@ from typing import Union
 
 from . import MAX_BUDGET
 
-SIZES = (8, 16, 32)  # the trees ``auto`` weighs beyond the chain
+SIZES = (8, 16, 32)  # the trees ``auto`` weighs beyond the chain (``adaptive.costs.TREE_ROWS``)
 SLACK = 1.05
 
 
