@@ -304,3 +304,21 @@ def test_auto_budget_follows_the_cost_curve():
     assert trees.choose(m4, 5, 0) == 4 and trees.choose(m4, 8, 0) == 7
     with pytest.raises(ValueError, match="no cost curve named 'mac'"):
         curves.load("mac")
+
+
+def test_doctor_prints_the_cost_curves(tmp_path, monkeypatch):
+    from dflash2_mlx.adaptive import CostModel, store
+    from dflash2_mlx.machine.doctor import costs_report
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    lines = []
+    costs_report(echo=lines.append)
+    assert "not measured yet" in lines[0]
+    store.write(store.cache_dir() / "costs-0123456789abcdef.json",
+                CostModel({1: (0.05, 0.0), 5: (0.1, 0.0), 33: (0.2, 0.0)}, {2: (0.01, 0.0)}).to_json())
+    lines.clear()
+    costs_report(echo=lines.append)
+    table = "\n".join(lines)
+    assert "| rows | here 01234567 | h200-27b-4bit | m4pro-shaped |" in table
+    assert "| 5 | 2.00 | 3.22 |  |" in table and "| 33 | 4.00 | 2.64 | 3.90 |" in table
+    assert "1 row 50.0 ms" in table

@@ -133,7 +133,7 @@ def costs_report(echo=print) -> list:
                         f"1 row {one * 1e3:.1f} ms"))
     for name in curves.names():
         rel, curve = curves.relative(name), curves.load(name)
-        shown = set(curve["measured_rows"]) or set(rel)
+        shown = set(curve["points"])  # the rows it was measured or published at
         columns.append((name, {r: v for r, v in rel.items() if r in shown}, "fixture"))
     if not any(c[2] != "fixture" for c in columns):
         echo("verify costs here: not measured yet (the first `--block-size auto` or `--tree-budget auto` "
