@@ -73,6 +73,7 @@ def generate(
     copies: bool = typer.Option(True, "--copies/--no-copies", help="Where the text repeats itself (names, numbers, code, loops), verify a copy of what followed the repeated tokens before instead of a draft (no drafter pass); --no-copies drafts every block."),
     verify_mode: str = typer.Option("dflash", "--verify-mode", help="'dflash' (speculative), 'adaptive' (block size 'auto', a --block-size number is the largest), 'tree' (verify trees of drafted paths, see --tree-budget; 'ddtree' is the same) or 'off' (plain decoding)."),
     tree_budget: Optional[str] = typer.Option(None, "--tree-budget", help="With --verify-mode tree: drafted nodes per tree (1..64), or 'auto' (the default: the largest tree this machine verifies for about the chain's cost)."),
+    cost_file: Optional[str] = typer.Option(None, "--cost-file", help="Choose 'auto' block sizes and tree budgets by the pass costs in this file (written by `dflash2-mlx doctor --export-costs`, e.g. on another machine) instead of this machine's calibration."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template", help="Feed --prompt as raw text instead of a user message in the chat template."),
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="A system message before the --prompt user turn (chat template)."),
@@ -119,7 +120,8 @@ def generate(
                 xtc_special_tokens=xtc_special_tokens(tokenizer), block_size=block_size,
                 verify_mode=verify_mode, seed=seed, draft_window=draft_window, draft_sink=draft_sink, lookup=copies,
                 prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                quantized_kv_start=quantized_kv_start, prompt_cache=cache, exact=exact, tree_budget=tree_budget):
+                quantized_kv_start=quantized_kv_start, prompt_cache=cache, exact=exact, tree_budget=tree_budget,
+                cost_file=cost_file):
             if shown:
                 typer.echo(last.text, nl=False)
     except (ValueError, TypeError) as e:

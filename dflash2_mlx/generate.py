@@ -205,7 +205,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                     prompt_cache: Optional[list] = None, draft_context=None, cached_tokens: int = 0,
                     lookup: bool = True, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, continues: bool = False,
-                    exact: bool = False, tree_budget: Union[int, str, None] = None):
+                    exact: bool = False, tree_budget: Union[int, str, None] = None,
+                    cost_file: Optional[str] = None):
     """Yield a GenerationResponse per token, as mlx_lm.stream_generate does.
 
     With a drafter and ``verify_mode="dflash"`` tokens come from DFlash cycles with
@@ -235,7 +236,10 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     it, so greedy output is plain decoding's bit for bit on any backend.  Where this machine's
     verify passes are already row-exact (the probe, ``loop/exactness.py``, run once and kept)
     this costs nothing; where they are not, each verify row becomes a one-row step (slower).
-    Each response's ``exactness`` says which guarantee holds."""
+    Each response's ``exactness`` says which guarantee holds.
+    ``cost_file``: the pass costs that "auto" block sizes and tree budgets are chosen by, from
+    a file ``dflash2-mlx doctor --export-costs`` wrote (another machine's, say) instead of
+    this machine's calibration."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if tree_budget is not None and verify_mode not in ("tree", "ddtree"):
@@ -265,7 +269,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
         exact_note, one_row = exactness_of(model, exact)
         policy, tokens = _dflash_steps(model, drafter, ids, params, limit, block_size, verify_mode, seed,
                                       draft_window, draft_sink, draft_context, cached_tokens, lookup,
-                                      one_row=one_row, tree_budget=tree_budget, **shared)
+                                      one_row=one_row, tree_budget=tree_budget, cost_file=cost_file, **shared)
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
     try:
@@ -282,7 +286,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
 def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams, limit, block_size,
                  verify_mode: str, seed: Optional[int], draft_window: Optional[int], draft_sink: int,
                  draft_context, cached_tokens: int, lookup: bool, prompt_cache: Optional[list] = None,
-                 one_row: bool = False, tree_budget=None, **shared):
+                 one_row: bool = False, tree_budget=None, cost_file: Optional[str] = None, **shared):
     """(the block-size policy, the DFlash cycles' (token, logprobs, from_draft, stats)).  A
     ``prompt_cache`` without a ``draft_context`` is mlx-lm's use of one: the drafter's context
     is the one kept beside it (``chat_context``), and the cache is settled when the steps end."""
@@ -297,13 +301,14 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams
     group = dist.group_of(model)
     if group is not None and (block_size == adaptive.AUTO or verify_mode == "adaptive"):
         agree.prepare_costs(target, drafter, group)  # calibrated by all ranks together, or none
+    costs = adaptive.load_costs(cost_file, target, drafter) if cost_file else None
     policy = agree.agreed(_block_policy(target, drafter, block_size, verify_mode, params.greedy, seed,
-                                        one_row), group)
+                                        one_row, costs), group)
     return policy, speculative_generate_step(
         ids, target, drafter, max_tokens=limit, params=params, block_size=policy,
         draft_window=draft_window, draft_sink=draft_sink, prompt_cache=prompt_cache,
         context=draft_context, cached_tokens=cached_tokens, lookup=lookup, settle=chat,
-        tree_budget=tree_budget, **shared)
+        tree_budget=tree_budget, costs=costs, **shared)
 
 
 def exactness_of(model, exact: bool) -> Tuple[str, bool]:
@@ -320,14 +325,15 @@ def exactness_of(model, exact: bool) -> Tuple[str, bool]:
 
 
 def _block_policy(target, drafter: Drafter, block_size, verify_mode: str, greedy: bool, seed: Optional[int],
-                  one_row: bool = False):
+                  one_row: bool = False, costs=None):
     """The block-size policy of one request (``adaptive.policy``).  "auto" measures the
     machine's costs on a pair's first request (``adaptive.calibrate``).  Sampling with a seed
     starts without the pair's history (same seed and costs, same text); greedy text is the
     target's whatever the block sizes, so it always uses it.  ``one_row``: verify rows are
     one-row steps (exact=True here), priced so."""
     auto = block_size == adaptive.AUTO or verify_mode == "adaptive"
-    costs = adaptive.cost_model(target, drafter).one_row_verify() if one_row and auto else None
+    if one_row and auto:
+        costs = (costs or adaptive.cost_model(target, drafter)).one_row_verify()
     return adaptive.policy(target, drafter, adaptive.AUTO if verify_mode == "adaptive" else block_size,
                            greedy=greedy, history=seed is None or greedy, costs=costs,
                            largest=None if block_size == adaptive.AUTO else block_size)

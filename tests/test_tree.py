@@ -321,4 +321,35 @@ def test_doctor_prints_the_cost_curves(tmp_path, monkeypatch):
     table = "\n".join(lines)
     assert "| rows | here 01234567 | h200-27b-4bit | m4pro-shaped |" in table
     assert "| 5 | 2.00 | 3.22 |  |" in table and "| 33 | 4.00 | 2.64 | 3.90 |" in table
-    assert "1 row 50.0 ms" in table
+    assert "1 row 50.0 ms; measured 20" in table and "other processes used 0% of the cores" in table
+
+
+def test_a_cost_file_is_exported_loaded_and_checked_against_the_pair(pairs, tmp_path, monkeypatch):
+    """Another machine's curve replayed: with the H200-like file a block of 5 verifies trees
+    of 32 here; a file of another pair, or no cost file at all, is a clear error."""
+    from dflash2_mlx import adaptive
+    from dflash2_mlx.adaptive import curves
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    model, tok, drafters = pairs["qwen3"]
+    target = attach(model, drafters[2])
+    path = tmp_path / "costs.json"
+    adaptive.export_costs(target, drafters[2], path)
+    data = __import__("json").loads(path.read_text())
+    assert data["pair"] and data["machine"]["platform"]
+    h200 = curves.cost_model("h200-27b-4bit")  # this pair, priced as the H200 prices passes
+    path.write_text(__import__("json").dumps({**data, "target": h200.to_json()["target"]}))
+    prompt = "abcab dcba"
+    last = None
+    for last in d.stream_generate(model, tok, prompt, drafters[2], max_tokens=24, block_size=5,
+                                  verify_mode="tree", lookup=False, cost_file=str(path)):
+        pass
+    assert last.trees > 0 and last.tree_nodes == 32 * last.trees
+    other_model, _, other = pairs["llama"]
+    with pytest.raises(ValueError, match="was measured for another target and drafter"):
+        d.generate(other_model, tok, prompt, other[2], max_tokens=4, cost_file=str(path))
+    with pytest.raises(ValueError, match="does not exist"):
+        d.generate(model, tok, prompt, drafters[2], max_tokens=4, cost_file=str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="is not a dflash2-mlx cost file"):
+        d.generate(model, tok, prompt, drafters[2], max_tokens=4, cost_file=str(tmp_path / "bad.json"))

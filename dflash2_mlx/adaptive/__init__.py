@@ -18,7 +18,7 @@ The choice depends only on the past, so every cycle stays lossless whatever it p
 from .acceptance import (COPY_PRIOR_RATE, DECAY, PRIOR_RATE, PRIOR_WEIGHT, SAMPLED_PRIOR_WEIGHT, SEED_WEIGHT,
                          Acceptance, expected_tokens, fold, history_path, load_history, pair_key, save_history)
 from .costs import (CALIBRATION, CONTEXTS, COPY_LARGEST, COPY_ROWS, PLAIN_RUN, STALE_AFTER_S, CostModel, Line,
-                    calibrate, cost_key, cost_model, cost_models, interp)
+                    calibrate, cost_key, cost_model, cost_models, export_costs, interp, load_costs)
 from .policies import (AUTO, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, SHADOW_BUDGET, Adaptive, Choice, Fixed, Policy,
                      best_block, policy, remember, starting, tokens_per_second)
 from .store import cache_dir
@@ -30,7 +30,7 @@ __all__ = [
     "Choice", "Corrected", "CostModel", "DECAY", "Fixed", "Line", "PLAIN_RUN", "PRIOR_RATE", "PRIOR_WEIGHT",
     "PROBE_BUDGET", "PROBE_FIRST", "PROBE_MAX", "Policy", "SAMPLED_PRIOR_WEIGHT", "SEED_WEIGHT", "SHADOW_BUDGET",
     "STALE_AFTER_S", "TIMING_CLIP", "TIMING_DECAY", "TIMING_FORMAT", "TIMING_PRIOR", "Timing", "best_block",
-    "cache_dir", "calibrate", "cost_key", "cost_model", "cost_models", "expected_tokens", "fold", "history_path",
+    "cache_dir", "calibrate", "cost_key", "cost_model", "cost_models", "export_costs", "load_costs", "expected_tokens", "fold", "history_path",
     "interp", "kind", "load_history", "pair_key", "policy", "remember", "save_history", "save_timing", "starting",
     "timing_for", "timing_path", "timings", "tokens_per_second",
 ]

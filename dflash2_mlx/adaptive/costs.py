@@ -2,9 +2,11 @@
 b, each as ``base + slope * context``; measured once per (target, drafter, machine) by
 ``calibrate`` and kept on disk and in memory by ``cost_model``."""
 
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -236,4 +238,41 @@ def measured(target, drafter, path) -> CostModel:
         return costs
     store.write(path, costs.to_json())
     print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
+    return costs
+
+
+def pair_digest(target, drafter) -> str:
+    """The pair a cost model prices (every weight's shape and dtype), whatever the machine."""
+    return store.digest({"target": shapes(target.model), "drafter": shapes(drafter),
+                         "drafter_activations": str(drafter.activation_dtype)})
+
+
+def export_costs(target, drafter, path) -> CostModel:
+    """This machine's cost model of the pair (measured now if it has none) written to
+    ``path``, with the pair it prices and the machine it was measured on: a file another
+    machine can load with ``load_costs`` (``--cost-file``) to decide as this one would."""
+    from ..machine.identity import describe
+
+    costs = cost_model(target, drafter)
+    store.write(Path(path), {**costs.to_json(), "pair": pair_digest(target, drafter),
+                             "machine": describe()})
+    return costs
+
+
+def load_costs(path, target, drafter) -> CostModel:
+    """A cost file written by ``export_costs``; a clear error for a file that is not one, or
+    that prices another pair."""
+    try:
+        data = json.loads(Path(path).read_text())
+        costs = CostModel.from_json(data)
+    except FileNotFoundError:
+        raise ValueError(f"cost file {path} does not exist") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"cost file {path} is not a dflash2-mlx cost file "
+                         f"(write one with `dflash2-mlx doctor --export-costs FILE`): {e}") from None
+    if data.get("pair") != pair_digest(target, drafter):
+        raise ValueError(f"cost file {path} was measured for another target and drafter "
+                         f"(on {(data.get('machine') or {}).get('platform', 'an unknown machine')}): its passes price other "
+                         "shapes; export one for this pair")
+    costs.created = time.time()  # given, not measured: never stale in this process
     return costs

@@ -170,6 +170,7 @@ def speculative_generate_step(
     context: Optional[DraftContext] = None, cached_tokens: int = 0, lookup: bool = True,
     settle: bool = False, kv_bits: Optional[int] = None, kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, tree_budget: Union[int, str, None] = None,
+    costs: Optional[adaptive.CostModel] = None,
 ) -> Iterator:
     """``block_size``: a number, "auto", or a policy (``adaptive.Policy``); ``draft_window``:
     how many of the latest context rows a draft reads (None: all), besides the first
@@ -181,7 +182,8 @@ def speculative_generate_step(
     ``quantized_kv_start``: mlx-lm's KV cache quantization (``kv_quant.py``).  ``tree_budget``:
     drafted blocks are verified as trees of that many nodes, as deep as the block (``tree/``;
     "auto": sized each cycle by the cost curve, ``tree/budget.py``), where the target and its
-    caches can take one (else as chains, ``stats.chain_why`` says why)."""
+    caches can take one (else as chains, ``stats.chain_why`` says why); ``costs``: the pass
+    costs it is sized by (default: the policy's, or this machine's calibration)."""
     cache = target.make_cache() if prompt_cache is None else prompt_cache
     policy = (block_size if isinstance(block_size, adaptive.Policy)
               else adaptive.policy(target, drafter, block_size, params.greedy))
@@ -196,9 +198,8 @@ def speculative_generate_step(
     copier = Lookup(prompt.tolist() + [anchor]) if lookup else None  # every token read so far
     plain = PlainSteps(seq, policy, copier)
     clock = Clock(policy)
-    costs = None
     if tree_budget == "auto":
-        costs = getattr(policy, "costs", None) or adaptive.cost_model(target, drafter)
+        costs = costs or getattr(policy, "costs", None) or adaptive.cost_model(target, drafter)
     try:
         yield seq.out(anchor, logprobs[0])
         while seq.emitted + plain.waiting < max_tokens:

@@ -3,6 +3,7 @@ loaded; per kernel, the path in use and the result of its self-check against the
 
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -129,8 +130,10 @@ def costs_report(echo=print) -> list:
         except (TypeError, KeyError, ValueError, AttributeError):
             continue
         one = costs.verify(1, 0)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(costs.created))
         columns.append((f"here {path.stem[6:14]}", {r: costs.verify(r, 0) / one for r in costs.target},
-                        f"1 row {one * 1e3:.1f} ms"))
+                        f"1 row {one * 1e3:.1f} ms; measured {when}, other processes used {costs.busy:.0%} "
+                        f"of the cores"))
     for name in curves.names():
         rel, curve = curves.relative(name), curves.load(name)
         shown = set(curve["points"])  # the rows it was measured or published at

@@ -2,7 +2,8 @@
 
 τ and speed-up against prompt length on the built-in pair (SmolLM2-135M-Instruct + the
 shipped DFlash 2 drafter): plain mlx-lm decoding, DFlash 2 at a fixed block size, adaptive
-(block size auto) and adaptive with a draft context window, at T=0 on prompts of 1k, 4k and
+(block size auto), adaptive with a draft context window and a tree of ``--tree-budget`` nodes
+(``--methods ... tree``), at T=0 on prompts of 1k, 4k and
 8k tokens (a summarization request over the shipped prompt sets' text).  Every DFlash
 output is checked token for token against plain decoding.  Methods run back to back per
 length and alternate over ``--reps`` runs after one shared prefill (the median is
@@ -57,8 +58,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=5, help="The fixed-block row's block size.")
     ap.add_argument("--draft-window", type=int, default=512, help="The windowed adaptive row's window.")
+    ap.add_argument("--tree-budget", type=int, default=16, help="The tree row's nodes (as deep as the fixed block).")
     ap.add_argument("--methods", nargs="+", default=["plain", "fixed", "adaptive", "window"],
-                    help="Rows to run: plain, fixed, adaptive, window.")
+                    help="Rows to run: plain, fixed, adaptive, window, tree.")
     ap.add_argument("--reps", type=int, default=3, help="Runs of every method per length (the median is reported).")
     ap.add_argument("--out", type=Path, default=Path("long-context"))
     args = ap.parse_args()
@@ -73,6 +75,9 @@ def main():
             model, tokenizer, ids, drafter, max_tokens=args.max_tokens, block_size=args.block_size, lookup=False, **kw)),
         "adaptive": ("DFlash 2 adaptive", lambda ids, **kw: stream_generate(
             model, tokenizer, ids, drafter, max_tokens=args.max_tokens, lookup=False, **kw)),
+        "tree": (f"DFlash 2 tree {args.tree_budget} (block {args.block_size})", lambda ids, **kw: stream_generate(
+            model, tokenizer, ids, drafter, max_tokens=args.max_tokens, block_size=args.block_size, lookup=False,
+            verify_mode="tree", tree_budget=args.tree_budget, **kw)),
         "window": (f"DFlash 2 adaptive, window {args.draft_window}", lambda ids, **kw: stream_generate(
             model, tokenizer, ids, drafter, max_tokens=args.max_tokens, draft_window=args.draft_window, lookup=False, **kw)),
     }
