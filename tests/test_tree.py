@@ -353,3 +353,20 @@ def test_a_cost_file_is_exported_loaded_and_checked_against_the_pair(pairs, tmp_
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="is not a dflash2-mlx cost file"):
         d.generate(model, tok, prompt, drafters[2], max_tokens=4, cost_file=str(tmp_path / "bad.json"))
+
+
+def test_trees_on_the_built_in_pair_are_plain_decodings_text():
+    """SmolLM2-135M with its shipped DFlash 2 drafter: trees of 4, 8, 16 and 32 nodes give
+    mlx-lm's own greedy tokens, and accept more per pass than the chain."""
+    from mlx_lm.generate import generate_step
+
+    model, tok, drafter = d.load()
+    ids = tok.apply_chat_template([{"role": "user", "content": "Explain how a binary search works."}],
+                                  add_generation_prompt=True)
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=32)]
+    _, chain = tree_tokens(model, drafter, ids, 32, None, block_size=5)
+    for budget in BUDGETS:
+        out, stats = tree_tokens(model, drafter, ids, 32, budget, block_size=5)
+        assert out == ref, f"tree of {budget} diverged from mlx-lm"
+        assert stats.trees > 0
+    assert stats.tau > chain.tau
