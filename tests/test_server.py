@@ -599,3 +599,28 @@ def test_tool_call_arguments_reach_the_template_as_objects():
     env.filters["tojson"] = json.dumps
     rendered = env.from_string("{{ m.tool_calls[0].function.arguments | tojson }}").render(m=out[1])
     assert rendered == '{"x": 1}'
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": CHAT}),
+    ("/v1/completions", {"prompt": "hello world"}),
+    ("/v1/messages", {"messages": CHAT}),
+    ("/v1/responses", {"input": "say hi"}),
+    ("/api/chat", {"messages": CHAT}),
+    ("/api/generate", {"prompt": "hello world"}),
+])
+def test_every_api_tells_the_engine_in_its_headers(server, path, body):
+    """Clients whose SDK drops the body's dflash block still see how a response was decoded:
+    the engine before a stream starts, the draft statistics with a whole response."""
+    limit = {"/v1/responses": "max_output_tokens", "/api/chat": None, "/api/generate": None}.get(path, "max_tokens")
+    body = {**body, "model": "tiny", **({limit: 12} if limit else {"options": {"num_predict": 12}})}
+    whole = httpx.post(server["base"] + path, json={**body, "stream": False}, timeout=60)
+    assert whole.status_code == 200, whole.text
+    h = whole.headers
+    assert h["x-dflash-engine"] == "dflash" and h["x-dflash-verify-mode"] == "dflash"
+    assert h["x-dflash-drafter"] == server["drafter"].name and h["x-dflash-block-size"] == "auto"
+    assert float(h["x-dflash-tau"]) >= 1.0 and int(h["x-dflash-cycles"]) > 0
+    with httpx.stream("POST", server["base"] + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["x-dflash-engine"] == "dflash"
+        assert r.headers["x-dflash-drafter"] == server["drafter"].name and "x-dflash-tau" not in r.headers
+        r.read()

@@ -18,6 +18,7 @@ from .http import engine_for, error_shape, mapped_errors, parse, until_disconnec
 from .pool import EnginePool
 from .protocol import APIError, dflash_stats
 from .sse import framed_response
+from .telemetry import tell
 from .wire import collect
 
 
@@ -37,9 +38,11 @@ def add_routes(app: FastAPI, pool: EnginePool):
             ids = await engine.off_loop(engine.encode_chat, body.template_messages(), tools, None, body.prefill)
             chunks = engine.stream_ids(ids, tools, chat=True, request_id=mid, continues=body.prefill is not None,
                                        **body.options())
+            tell(request, engine.settings.engine(len(ids)))
             if body.stream:
                 return framed_response(events(mid, body, chunks), engine, mid, error_frame)
             c = await until_disconnect(request, collect(chunks), engine, mid)
+        tell(request, dflash_stats(c))
         return message(mid, body.model, reply_content(c.text, c.tool_calls, body.one_tool_use), c)
 
     @app.post("/v1/messages/count_tokens")

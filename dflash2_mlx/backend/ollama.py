@@ -20,8 +20,9 @@ from fastapi.responses import PlainTextResponse
 
 from .http import engine_for, error_shape, mapped_errors, read_json, until_disconnect, validated
 from .pool import NoDefaultModel, UnknownModel
-from .protocol import APIError, new_id
+from .protocol import APIError, dflash_stats, new_id
 from .sse import framed_response
+from .telemetry import tell
 from .ollama_models import LATEST, model_entry, running_entry, show_body, tagged
 from .ollama_wire import (ChatRequest, GenerateRequest, ShowRequest, chat_line, closing, error_body,
                           generate_line, loaded_line, unsupported)
@@ -182,9 +183,11 @@ def _add_chat(app, pool):
                                         body.template_kwargs())
             chunks = clock.timed(engine.stream_ids(ids, body.tools, chat=True, request_id=rid,
                                                    **_options(body, engine, ids)))
+            tell(request, engine.settings.engine(len(ids)))
             if body.stream:
                 return _ndjson(_chat_lines(name, chunks, clock, body.logprobs), engine, rid)
             c = await until_disconnect(request, collect(chunks), engine, rid)
+        tell(request, dflash_stats(c))
         return {**chat_line(name, c.text, c.tool_calls, c.logprobs if body.logprobs else None),
                 **closing(c, clock.durations())}
 
@@ -214,9 +217,11 @@ def _add_generate(app, pool):
             ids = await engine.off_loop(_prompt_ids, engine, body)
             chunks = clock.timed(engine.stream_ids(ids, chat=not body.raw, request_id=rid,
                                                    **_options(body, engine, ids)))
+            tell(request, engine.settings.engine(len(ids)))
             if body.stream:
                 return _ndjson(_generate_lines(name, chunks, clock, body, engine, ids), engine, rid)
             c = await until_disconnect(request, collect(chunks), engine, rid)
+        tell(request, dflash_stats(c))
         out = {**generate_line(name, c.text, c.logprobs if body.logprobs else None), **closing(c, clock.durations())}
         if not body.raw:  # as Ollama: a raw prompt returns no context
             out["context"] = await engine.off_loop(_context, engine, ids, c.text, c)

@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from .http import engine_for, mapped_errors, parse, until_disconnect
 from .protocol import APIError
 from .responses_wire import ResponsesRequest, new_item_id, response_body, template_messages
+from .telemetry import tell
 from .wire import EngineError
 
 log = logging.getLogger("dflash2_mlx.server")
@@ -183,9 +184,13 @@ def add_routes(app, pool):
             ids = await engine.off_loop(engine.encode_chat, template_messages(items, body.instructions), tools)
             chunks = engine.stream_ids(ids, tools, chat=True, request_id=rid, **body.options())
             reply = Reply(rid, body, store, items)
+            tell(request, engine.settings.engine(len(ids)))
             if body.stream:
                 return event_stream(reply.events(chunks), engine, rid)
-            return await until_disconnect(request, reply.whole(chunks), engine, rid)
+            out = await until_disconnect(request, reply.whole(chunks), engine, rid)
+        if out.get("dflash"):
+            tell(request, out["dflash"])
+        return out
 
     @app.get("/v1/responses/{rid}")
     async def retrieve(rid: str):

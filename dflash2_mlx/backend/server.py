@@ -29,10 +29,11 @@ from . import anthropic, ollama, openapi, responses
 from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
 from .pool import EnginePool, UnknownModel
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_response,
-                       completion_response, new_id, validation_error)
+                       completion_response, dflash_stats, new_id, validation_error)
 from .settings import SettingsError
 from .worker import worker as default_worker
 from .sse import chat_events, completion_events, sse_response
+from .telemetry import EngineHeaders, tell
 from .wire import collect
 
 log = logging.getLogger("dflash2_mlx.server")
@@ -42,6 +43,7 @@ TTL_POLL_S = 1.0
 def create_app(pool: EnginePool, preload=(), api_key: Optional[str] = None) -> FastAPI:
     app = FastAPI(title="dflash2-mlx", lifespan=_lifespan(pool, preload))
     app.state.pool = pool
+    app.add_middleware(EngineHeaders)
     _add_api_key(app, api_key)
     _add_error_handlers(app)
     _add_status_routes(app, pool, api_key)
@@ -161,9 +163,11 @@ def _add_generation_routes(app: FastAPI, pool: EnginePool):
             ids = await engine.off_loop(engine.encode_chat, body.template_messages(), body.tools,
                                         body.chat_template_kwargs)
             chunks = engine.stream_ids(ids, body.tools, chat=True, request_id=rid, **body.options())
+            tell(request, engine.settings.engine(len(ids)))
             if body.stream:
                 return sse_response(chat_events(rid, body, chunks), engine, rid)
             completion = await until_disconnect(request, collect(chunks), engine, rid)
+        tell(request, dflash_stats(completion))
         return chat_response(rid, body.model, completion, bool(body.logprobs))
 
     @app.post("/v1/completions")
@@ -179,6 +183,7 @@ def _add_generation_routes(app: FastAPI, pool: EnginePool):
         with mapped_errors():
             encoded = await engine.off_loop(lambda: [engine.encode(p) for p in prompts])
             echoed = await engine.off_loop(_echoed, engine, prompts) if body.echo else None
+            tell(request, engine.settings.engine(len(encoded[0])))
             if body.stream:
                 chunks = engine.stream_ids(encoded[0], request_id=rid, **body.options())
                 return sse_response(completion_events(rid, body, chunks, echoed and echoed[0]), engine, rid)
@@ -187,6 +192,7 @@ def _add_generation_routes(app: FastAPI, pool: EnginePool):
             rids = [rid if i == 0 else f"{rid}-{i}" for i in range(len(prompts))]
             streams = [engine.stream_ids(ids, request_id=r, **body.options()) for ids, r in zip(encoded, rids)]
             completions = await until_disconnect(request, asyncio.gather(*map(collect, streams)), engine, *rids)
+        tell(request, dflash_stats(completions[0]))
         return completion_response(rid, body.model, completions, body.logprobs is not None, echoed)
 
 
