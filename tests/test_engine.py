@@ -339,6 +339,15 @@ def test_tools_reach_the_chat_template(models):
         assert reply.prompt_tokens == with_tools and reply.completion_tokens <= 4
     finally:
         run(e.stop())
+    # A template without a tools section would drop them: a clear error naming the field.
+    e = Engine(root / "models" / "tiny")
+    run(e.start())
+    try:
+        with pytest.raises(InvalidOption, match="does not render tools") as caught:
+            run(e.count_chat_tokens([{"role": "user", "content": "hi"}], TOOLS))
+        assert caught.value.param == "tools"
+    finally:
+        run(e.stop())
 
 
 def test_chat_template_variables_reach_the_template(models):

@@ -624,3 +624,11 @@ def test_every_api_tells_the_engine_in_its_headers(server, path, body):
         assert r.status_code == 200 and r.headers["x-dflash-engine"] == "dflash"
         assert r.headers["x-dflash-drafter"] == server["drafter"].name and "x-dflash-tau" not in r.headers
         r.read()
+
+
+def test_tools_the_template_cannot_render_are_a_400(server):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    r = httpx.post(server["base"] + "/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": CHAT, "tools": tools, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "does not render tools" in r.json()["error"]["message"]

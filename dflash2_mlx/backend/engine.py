@@ -225,8 +225,15 @@ class Engine:
         self._check_running()
         variables = self.settings.template_variables(chat_template_kwargs, self.chat_template_args)
         try:
-            return chat_ids(self.tokenizer, template_messages(messages), prefill, tools=tools,
-                            template_kwargs=variables)
+            ids = chat_ids(self.tokenizer, template_messages(messages), prefill, tools=tools,
+                           template_kwargs=variables)
+            if tools and ids == chat_ids(self.tokenizer, template_messages(messages), prefill,
+                                         template_kwargs=variables):
+                # The model would never see them, and a client would wait for calls that cannot come.
+                raise InvalidOption("tools", f"this model's chat template does not render tools ({len(tools)} "
+                                    "given): send the request without them, or serve the model with a "
+                                    "template that has a tools section")
+            return ids
         except TemplateVariableError as e:
             raise InvalidOption("chat_template_kwargs", str(e)) from None
 
