@@ -168,7 +168,13 @@ def one_turn(http, api: str, model: str, conversation: dict, max_tokens: int) ->
     text, pieces, tokens, dflash, cached = [], 0, None, {}, 0
     with http.stream("POST", path, json=body) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"{api}: HTTP {r.status_code}: {r.read().decode()[:300]}")
+            error = r.read().decode()
+            if r.status_code == 400 and "tools" in conversation and "does not render tools" in error:
+                # The model's template has no tools section (SmolLM2's): the server refuses the
+                # definitions it would drop; the session's calls and results stay in the messages.
+                bare = {k: v for k, v in conversation.items() if k != "tools"}
+                return {**one_turn(http, api, model, bare, max_tokens), "tools_sent": False}
+            raise RuntimeError(f"{api}: HTTP {r.status_code}: {error[:300]}")
         for event in _events(api, r.iter_lines()):
             if event.get("type") == "error" or (api != "anthropic" and "error" in event):
                 raise RuntimeError(f"{api}: stream error: {event}")
