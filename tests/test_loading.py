@@ -161,8 +161,8 @@ def test_impossible_block_size_empty_prompt_and_bad_mode(root):
     for empty in ("", []):
         with pytest.raises(ValueError, match="prompt is empty"):
             list(d.stream_generate(model, tok, empty, drafter, max_tokens=4))
-    with pytest.raises(ValueError, match="verify mode 'tree' is not supported"):
-        list(d.stream_generate(model, tok, "ab", drafter, verify_mode="tree", max_tokens=4))
+    with pytest.raises(ValueError, match="verify mode 'forest' is not supported"):
+        list(d.stream_generate(model, tok, "ab", drafter, verify_mode="forest", max_tokens=4))
     with pytest.raises(ValueError, match="temp must be >= 0"):
         list(d.stream_generate(model, tok, "ab", drafter, temp=-1, max_tokens=4))
 

@@ -612,6 +612,8 @@ def test_tool_call_arguments_reach_the_template_as_objects():
 def test_every_api_tells_the_engine_in_its_headers(server, path, body):
     """Clients whose SDK drops the body's dflash block still see how a response was decoded:
     the engine before a stream starts, the draft statistics with a whole response."""
+    SettingsStore(server["settings"]).set("tiny", dflash_enabled=True, dflash_draft_model=str(server["drafter"]),
+                                          max_context_window=WINDOW)  # as the server started (a test edits them)
     limit = {"/v1/responses": "max_output_tokens", "/api/chat": None, "/api/generate": None}.get(path, "max_tokens")
     body = {**body, "model": "tiny", **({limit: 12} if limit else {"options": {"num_predict": 12}})}
     whole = httpx.post(server["base"] + path, json={**body, "stream": False}, timeout=60)
