@@ -370,3 +370,32 @@ def test_trees_on_the_built_in_pair_are_plain_decodings_text():
         assert out == ref, f"tree of {budget} diverged from mlx-lm"
         assert stats.trees > 0
     assert stats.tau > chain.tau
+
+
+def test_a_chat_through_one_prompt_cache_with_trees_is_mlx_lms(pairs):
+    """mlx-lm's multi-turn use of ``prompt_cache`` with tree cycles: every turn's tokens and the
+    cache's length after it are mlx_lm.stream_generate's (the cache is settled after trees)."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok, drafters = pairs["qwen3"]
+    turns = ["abcab dcba", "dd cc", "a b c d", "bbbb"]
+
+    def chat(stream):
+        cache, out = make_prompt_cache(model), []
+        for i, text in enumerate(turns):
+            tokens = []
+            for r in stream(tok.encode(text), cache):
+                tokens.append(r.token)
+                trees.append(getattr(r, "trees", 0))
+                if i == 2 and len(tokens) == 5:  # a reader that stops early
+                    break
+            out.append((tokens, max(c.offset for c in cache)))
+        return out
+
+    trees = []
+    want = chat(lambda ids, cache: mlx_lm.stream_generate(model, tok, ids, max_tokens=13, prompt_cache=cache))
+    got = chat(lambda ids, cache: d.stream_generate(model, tok, ids, drafters[2], max_tokens=13, block_size=6,
+                                                    prompt_cache=cache, verify_mode="tree", tree_budget=12,
+                                                    lookup=False))
+    assert got == want and max(trees) > 0
