@@ -21,7 +21,7 @@ from scipy import stats as sstats
 from dflash2_mlx.generate import load, stream_generate
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.sampling import SamplingParams
-from dflash2_mlx.loop.target import attach
+from dflash2_mlx.loop.target import attach, model_args
 from tiny_models import byte_chars
 
 
@@ -64,7 +64,7 @@ def ref_probs(logits, history, temp, top_p=1.0, top_k=0, min_p=0.0, rep=None, xt
 
 
 def exact_joint(model, prompt, n, **kw):
-    V = model.args.vocab_size
+    V = model_args(model).vocab_size
     joint = {}
 
     def rec(prefix, prob):

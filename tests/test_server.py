@@ -399,7 +399,7 @@ def test_two_concurrent_clients_both_complete(client, reference):
 
 def test_metrics_report_engine_stats(server):
     stats = metrics(server)["models"]["tiny"]
-    assert stats["loaded"] and stats["drafter"] == str(server["drafter"])
+    assert stats["loaded"] and stats["drafter"] == server["drafter"].name  # its name, not its path
     assert stats["requests"] >= 10 and stats["generation_tokens"] > 100 and stats["cycles"] > 0
     assert stats["mean_tau"] >= 1.0 and len(stats["acceptance_by_position"]) == COPY_LARGEST - 1  # auto: copies up to 15 rows
     assert sum(stats["block_sizes"].values()) == stats["cycles"] and "adaptive_fallbacks" in stats
@@ -452,6 +452,7 @@ def test_models_show_the_engine_they_run(server, client):
     card = httpx.get(server["base"] + "/v1/models").json()["data"][0]
     # The drafter by its name: its path on this machine is not shown (issue 41).
     verify_rows = card["dflash"].pop("verify_rows")  # the probe's verdict, once measured here
+    card["dflash"].pop("live", None)  # what it has served, once loaded (tested below)
     assert verify_rows == "not probed on this machine" or verify_rows.startswith(("exact", "not row-exact"))
     assert card["dflash"] == {"dflash": True, "drafter": server["drafter"].name, "verify_mode": "dflash",
                               "block_size": "auto"}
@@ -634,3 +635,19 @@ def test_tools_the_template_cannot_render_are_a_400(server):
                    json={"model": "tiny", "messages": CHAT, "tools": tools, "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert "does not render tools" in r.json()["error"]["message"]
+
+
+def test_model_listings_show_live_counters_and_no_paths(server):
+    """/v1/models and Ollama's /api/ps show what a loaded model has served (requests, τ,
+    tokens), and no listing or stats route shows where the drafter lies on the server."""
+    before = httpx.get(server["base"] + "/v1/models").json()["data"][0]["dflash"]["live"]["requests"]
+    r = httpx.post(server["base"] + "/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": CHAT, "max_tokens": 6})
+    assert r.status_code == 200, r.text
+    live = httpx.get(server["base"] + "/v1/models").json()["data"][0]["dflash"]["live"]
+    assert live["requests"] == before + 1 and live["generation_tokens"] > 0 and live["active_requests"] == 0
+    ps = httpx.get(server["base"] + "/api/ps").json()["models"]
+    assert ps and ps[0]["dflash"]["live"]["requests"] == live["requests"]
+    for route in ("/v1/models", "/api/ps", "/health", "/api/tags", "/metrics"):
+        text = httpx.get(server["base"] + route).text
+        assert str(server["drafter"].parent) not in text, route

@@ -19,7 +19,8 @@ from dflash2_mlx.loop.target import attach
 from helpers import cache_arrays, dflash_tokens, plain_tokens
 from tiny_models import looping_pair, make_drafter, make_target
 
-FAMILIES = ["llama", "llama_sliding", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next"]
+FAMILIES = ["llama", "llama_sliding", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "qwen3_5_moe",
+            "muse_glimmer", "gemma4_text", "gemma4"]
 MAX_TOKENS = 24
 
 

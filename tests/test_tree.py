@@ -18,7 +18,7 @@ from dflash2_mlx.tree.grow import grow, log_softmax as lattice_log_softmax
 from helpers import cache_arrays, chi2_pvalue, exact_joint, params_of, plain_tokens
 from tiny_models import make_drafter, make_target
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_sliding"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_sliding", "muse_glimmer", "gemma4_text"]
 BUDGETS = [4, 8, 16, 32]
 MAX_TOKENS = 32
 

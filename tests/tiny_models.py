@@ -115,6 +115,26 @@ def target_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
     elif family == "llama_sliding":  # mlx-lm's RotatingKVCache on every other layer
         base.update(model_type="llama", head_dim=16, sliding_window=window,
                     layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    elif family == "qwen3_5_moe":  # the hybrid MoE (Qwen3.6-35B-A3B's class), text fields nested
+        text = target_config("qwen3_next", vocab_size, hidden, layers, head_dim, window)
+        text.update(model_type="qwen3_5_moe_text",
+                    rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        base = dict(model_type="qwen3_5_moe", text_config=text, tie_word_embeddings=False, eos_token_id=1)
+    elif family == "muse_glimmer":  # [local x3, global]: RoPE + window on locals, NoPE globals
+        base.update(head_dim=head_dim, sliding_window=window, qk_scale_factor=3.87,
+                    final_logit_softcapping=20.0, output_multiplier=0.2)
+    elif family in ("gemma4_text", "gemma4"):
+        # Sliding/global pattern, the globals' own head size, KV shared by the last layers
+        # (mlx-lm makes no cache for those), per-layer inputs, logit softcapping.
+        text = dict(base, model_type="gemma4_text", head_dim=head_dim, global_head_dim=2 * head_dim,
+                    sliding_window=window, sliding_window_pattern=2, num_kv_shared_layers=layers // 2,
+                    layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size,
+                    tie_word_embeddings=True, final_logit_softcapping=30.0, use_double_wide_mlp=True)
+        text.pop("rope_theta")
+        base = text if family == "gemma4_text" else dict(
+            model_type="gemma4", text_config=text, vocab_size=vocab_size, eos_token_id=1,
+            tie_word_embeddings=True)
     return base
 
 
@@ -143,6 +163,7 @@ def make_target(path, family: str = "qwen3", seed: int = 0, hidden: int = 64, la
 def drafter_config(target_path, version: int = 2, layers: int = 2, block_size: int = 8,
                    target_layer_ids=(1, 2), **overrides) -> dict:
     t = json.loads((Path(target_path) / "config.json").read_text())
+    t = {**t, **t.get("text_config", {})}
     cfg = dict(
         architectures=["DFlash2DraftModel" if version == 2 else "DFlashDraftModel"],
         model_type="qwen3", hidden_size=t["hidden_size"], num_hidden_layers=layers,

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..batch import BatchGenerator, batch_policy
 from ..batch.cache import batch_layers
@@ -21,7 +21,7 @@ from ..generate import detokenizer_after
 from ..loop.cycle import CycleStats
 from ..loop.target import UnsupportedTargetError, attach
 from .admission import DONE, Request
-from .prefix_cache import Start, recurrent_state
+from .prefix_cache import Start, recurrent, recurrent_state
 from .reply import Reply
 from .settings import ModelSettings
 from .solo import Carry, solo_job
@@ -31,7 +31,7 @@ log = logging.getLogger("dflash2_mlx.engine")
 
 
 def batchable(model, drafter) -> bool:
-    """Whether ``BatchGenerator`` takes this target (not one with sliding-window caches)."""
+    """Whether ``BatchGenerator`` takes this target (not one with quantized or chunked caches)."""
     try:
         batch_layers(attach(model, drafter))
         return True
@@ -251,6 +251,7 @@ class Batching:
                 next(r.steps)
             except StopIteration:
                 reading.remove(r)
+                self.engine.prefix_cache.read(r.ids[:-1], r.start)
                 self._enter(gen, joined, r.request, r.push, r.carry, r.ids, r.start)
             except Exception as ex:
                 reading.remove(r)
@@ -340,9 +341,9 @@ class Batching:
 
     def _store(self, j: Joined, cache, context):
         """Keep a batch sequence's caches (every token it committed, in order) for reuse."""
-        n = next((c.offset for c in cache if isinstance(c, KVCache)), 0)
+        n = next((c.offset for c in cache if isinstance(c, (KVCache, RotatingKVCache))), 0)
         start = Start(cache, context, tokens=n)
-        if not all(c.is_trimmable() for c in cache):
+        if recurrent(cache):
             # Recurrent states: the batch replays them to exactly the committed tokens, which
             # are all known unless a stop token cut the cycle (``store`` checks the count).
             start.held = (n, recurrent_state(cache))

@@ -13,7 +13,7 @@ DFlash requests that run at the same time share one batch (``batch_job.py``); a 
 that finds nothing running starts as a single stream and hands over to the batch when
 another one asks to join (``solo.py``). Requests the batch cannot serve run as their own
 stepped job next to it, one token a step, each with its own random key: plain decoding (no
-drafter, ``dflash_max_ctx``), targets the batch refuses (sliding windows), ``max_batch`` 1
+drafter, ``dflash_max_ctx``), targets the batch refuses (quantized caches), ``max_batch`` 1
 (the one-at-a-time server), and seeded sampled requests with adaptive block sizes (the
 batch's block sizes depend on its other sequences, and a seed promises its single-stream
 text). Both paths put their text through the same reply pipeline (``reply.py``) and hand
@@ -40,7 +40,7 @@ from .admission import Admission, Request, in_event_loop
 from .batch_job import Batching, batchable
 from .options import RequestOptions, generation, sampling_params
 from .prefix_cache import PrefixCache
-from .settings import ModelSettings, first_set
+from .settings import ModelSettings, drafter_name, first_set
 from .solo import solo_job
 from .ssd_cache import DiskTier, default_ssd_cache_dir, pair_dir
 from .stats import EngineStats
@@ -50,6 +50,10 @@ from .worker import worker as default_worker
 
 # The engine's surface: callers import Chunk, Completion and the errors from here.
 __all__ = ["Engine", "Chunk", "Completion", "EngineError", "InvalidOption", "PromptTooLong", "QueueFull"]
+
+# The counters the model listings show beside a model's settings (``Engine.live``).
+LIVE = ("requests", "active_requests", "queued_requests", "generation_tokens", "cycles", "mean_tau",
+        "last_tau", "generation_tps", "plain_fallbacks", "adaptive_fallbacks")
 
 log = logging.getLogger("dflash2_mlx.engine")
 _ids = itertools.count(1)
@@ -195,10 +199,16 @@ class Engine:
     def get_stats(self) -> dict:
         stats = self.stats.snapshot()
         stats.update(model=self.model_id, loaded=self.model is not None,
-                     drafter=self.settings.draft, max_queue=self.max_queue,
+                     drafter=drafter_name(self.settings.draft), max_queue=self.max_queue,
                      max_batch=self.max_running(), batching=self.batchable and self.max_running() > 1,
                      engine=self.settings.engine(), **self.prefix_cache.stats())
         return stats
+
+    def live(self) -> dict:
+        """What this model has served so far, for the model listings (``/v1/models``,
+        Ollama's ``/api/ps``): its requests now and in all, τ, tokens and fallbacks."""
+        s = self.stats.snapshot()
+        return {k: s[k] for k in LIVE}
 
     def encode(self, prompt) -> List[int]:
         """Token ids of a text prompt, as ``dflash2_mlx.generate`` encodes it."""

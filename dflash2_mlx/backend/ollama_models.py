@@ -135,4 +135,5 @@ def running_entry(pool, model_id: str, engine) -> dict:
     expires = None
     if ttl and not engine.settings.is_pinned:
         expires = timestamp(time.time() + ttl - (time.monotonic() - engine.last_used))
-    return {**entry, "expires_at": expires, "size_vram": entry["size"], "context_length": engine.context_window}
+    return {**entry, "expires_at": expires, "size_vram": entry["size"], "context_length": engine.context_window,
+            "dflash": {**engine.settings.engine(), "live": engine.live()}}

@@ -9,6 +9,9 @@ An entry holds the token ids it covers and copies of the cache arrays for them:
   all of it: at the prompt's last-but-one token (taken before the request runs), and at the
   end of the turn, from the latest step at which the caches held only known tokens (a
   speculative cycle may have accepted drafts that were not emitted when the reply ended);
+- sliding-window caches (mlx-lm ``RotatingKVCache``) keep only their window: their rows are
+  kept in position order, zeros before the window, and an entry serves only prompts that
+  share enough of it for every window to be whole (its ``floor``): a chat's next turn does;
 - with DFlash, the drafter's context rows (K/V made from target features) for the same tokens.
 A plain request can reuse a DFlash entry's target part; a DFlash request needs the draft rows.
 At least the prompt's last token is always run, so the first token comes from fresh logits.
@@ -27,8 +30,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from ..batch.cache import window_rows
 from ..loop.draft_context import DraftContext
 from ..loop.target import attach, snapshot
 
@@ -59,6 +63,7 @@ class Entry:
     draft: Optional[list]  # per drafter layer: (keys, values); None without DFlash
     trimmable: bool
     nbytes: int
+    floor: int = 0  # the fewest tokens it can start (sliding windows: enough for every window)
 
 
 @dataclass
@@ -74,9 +79,16 @@ class Start:
     held: Optional[tuple] = None
 
 
+def recurrent(cache) -> bool:
+    return any(isinstance(c, ArraysCache) for c in cache)
+
+
 def reusable(cache) -> bool:
-    """Only plain attention and recurrent caches are understood here (no sliding windows)."""
-    return all(type(c) in (KVCache, ArraysCache) or type(c).__name__ == "MambaCache" for c in cache)
+    """Plain attention with recurrent caches, or with sliding-window ones (not both)."""
+    known = all(type(c) in (KVCache, ArraysCache) or type(c).__name__ == "MambaCache"
+                or (type(c) is RotatingKVCache and c.keep == 0) for c in cache)
+    windows = any(type(c) is RotatingKVCache for c in cache)
+    return known and not (windows and recurrent(cache))
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -87,21 +99,25 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def reuse_length(tokens: tuple, has_draft: bool, trimmable: bool, ids: Sequence[int], draft: bool) -> int:
+def reuse_length(tokens: tuple, has_draft: bool, trimmable: bool, ids: Sequence[int], draft: bool,
+                 floor: int = 0) -> int:
     """How many of ``ids`` an entry over ``tokens`` can start (0: none).  The prompt's last
     token always runs; a DFlash request needs the draft rows; an untrimmable (recurrent)
-    entry serves only prompts that start with all of it."""
+    entry serves only prompts that start with all of it, a sliding-window one at least
+    ``floor`` tokens of it."""
     if draft and not has_draft:
         return 0
     n = min(_common(tokens, ids), len(ids) - 1)
-    return n if trimmable or n == len(tokens) else 0
+    return n if (trimmable and n >= floor) or n == len(tokens) else 0
 
 
-def covers(tokens: tuple, has_draft: bool, trimmable: bool, old_tokens: tuple, old_has_draft: bool) -> bool:
+def covers(tokens: tuple, has_draft: bool, trimmable: bool, old_tokens: tuple, old_has_draft: bool,
+           floor: int = 0, old_floor: int = 0) -> bool:
     """Whether a new entry makes an old one useless: same tokens first, draft rows if the old
-    one had them (an untrimmable new entry covers only the very same tokens)."""
+    one had them (an untrimmable new entry covers only the very same tokens, a
+    sliding-window one only entries it can start wherever they could)."""
     return (old_tokens == tokens[: len(old_tokens)] and (has_draft or not old_has_draft)
-            and (trimmable or old_tokens == tokens))
+            and ((trimmable and floor <= old_floor) or old_tokens == tokens))
 
 
 def recurrent_state(cache) -> list:
@@ -121,6 +137,25 @@ def _rows(c: KVCache, n: int):
     """Copies of the first ``n`` rows: a slice would keep the cache's whole buffer alive
     (mlx-lm's grow in steps of 256 rows), memory the entry's count does not see."""
     return mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :])
+
+
+def _window(c: RotatingKVCache, n: int):
+    """A rotating cache's rows for the first ``n`` tokens in position order (zeros before
+    the rows it holds), copies."""
+    k, v = window_rows(c, c.offset)
+    return mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :])
+
+
+def _floor(cache, n: int) -> int:
+    """The fewest of ``n`` tokens a restore can start with every window's rows whole: a
+    window of w reads the w - 1 rows before it, and a rotating cache holds its last rows only."""
+    floor = 0
+    for c in cache:
+        if isinstance(c, RotatingKVCache):
+            first = c.offset - min(c.offset, c.keys.shape[2] if c.keys is not None else 0)
+            if first > 0:
+                floor = max(floor, first + c.max_size - 1)
+    return floor
 
 
 def _load_rows(c: KVCache, rows, n: int):
@@ -164,7 +199,7 @@ class PrefixCache:
         into memory)."""
         best, best_n = None, 0
         for key, e in self.entries.items():
-            n = reuse_length(e.tokens, e.draft is not None, e.trimmable, ids, draft)
+            n = reuse_length(e.tokens, e.draft is not None, e.trimmable, ids, draft, e.floor)
             if n > best_n:
                 best, best_n = key, n
         if best is not None:
@@ -201,7 +236,7 @@ class PrefixCache:
         if entry is not None:
             self._restore(entry, n, cache, context)
         start = Start(cache, context, n, n)
-        if not all(c.is_trimmable() for c in cache):
+        if recurrent(cache):
             if start.tokens < len(ids) - 1:
                 self._advance(start, ids[: len(ids) - 1], model)
             start.held = (start.tokens, recurrent_state(cache))
@@ -218,7 +253,7 @@ class PrefixCache:
             probe = Start(make_prompt_cache(model), DraftContext(drafter) if drafter is not None else None)
             self._advance(probe, [0], model)
             draft = [_rows(c, 1) for c in probe.context.fed()] if drafter is not None else None
-            target = [_rows(c, 1) if isinstance(c, KVCache) else state
+            target = [state if isinstance(c, ArraysCache) else _rows(c, 1)
                       for c, state in zip(probe.cache, recurrent_state(probe.cache))]
             self._layouts[key] = layout(target, draft)
         want = self._layouts[key]
@@ -241,6 +276,12 @@ class PrefixCache:
         for c, saved in zip(cache, e.target):
             if isinstance(c, KVCache):
                 _load_rows(c, saved, n)
+            elif isinstance(c, RotatingKVCache):
+                # The rows of the last window before ``n``, in order (the first may be a zero
+                # row older than the window: a rotating cache never reads its oldest row again).
+                k, v = saved
+                lo = max(0, n - c.max_size)
+                c.state = (k[..., lo:n, :], v[..., lo:n, :], n, 0, c.max_size, n - lo)
             else:
                 c.state = (list(saved[0]), None, saved[1])
         if context is not None:
@@ -279,13 +320,20 @@ class PrefixCache:
             yield
 
     # Storing ---------------------------------------------------------------------------
+    def read(self, ids: Sequence[int], start: Start):
+        """A prompt's ``ids`` (all but its last token) were read into ``start``'s caches: where
+        those keep only a window, the turn's end will not serve the same prompt again, so the
+        prompt is kept now too (hybrid targets keep theirs in ``start``)."""
+        if any(isinstance(c, RotatingKVCache) for c in start.cache) and start.tokens == len(ids):
+            self.store(ids, start)
+
     def store(self, tokens: Sequence[int], start: Start):
         """Keep the caches of ``start`` for ``tokens`` (what they hold, in order); the
         caches may hold more (trimmed here) or fewer (the tokens are cut to them)."""
         if not self.enabled or not reusable(start.cache):
             return
-        trimmable = all(c.is_trimmable() for c in start.cache)
-        n = min([len(tokens)] + [c.offset for c in start.cache if isinstance(c, KVCache)])
+        trimmable = not recurrent(start.cache)
+        n = min([len(tokens)] + [c.offset for c in start.cache if isinstance(c, (KVCache, RotatingKVCache))])
         if start.context is not None:
             draft_cache = start.context.fed()
             n = min([n] + [c.offset for c in draft_cache])
@@ -296,11 +344,15 @@ class PrefixCache:
             n, states = start.held
         if n < 1:
             return
-        target = [_rows(c, n) if isinstance(c, KVCache) else state for c, state in zip(start.cache, states)]
+        floor = _floor(start.cache, n)
+        if floor > n:
+            return  # a window the caches no longer hold whole at n tokens
+        target = [_rows(c, n) if isinstance(c, KVCache) else _window(c, n) if isinstance(c, RotatingKVCache)
+                  else state for c, state in zip(start.cache, states)]
         draft = [_rows(c, n) for c in draft_cache] if start.context is not None else None
         arrays = [a for pair in target + (draft or []) for a in _flat(pair)]
         mx.eval(arrays)
-        entry = Entry(tuple(tokens[:n]), target, draft, trimmable, sum(a.nbytes for a in arrays))
+        entry = Entry(tuple(tokens[:n]), target, draft, trimmable, sum(a.nbytes for a in arrays), floor)
         disk = self.disk  # settings may change it from another thread
         if not self._keep(entry) and disk is not None:
             disk.put(entry)
@@ -323,7 +375,8 @@ class PrefixCache:
         gone, covered = [], 0
         with self._lock:
             for key, e in list(self.entries.items()):
-                if covers(entry.tokens, entry.draft is not None, entry.trimmable, e.tokens, e.draft is not None):
+                if covers(entry.tokens, entry.draft is not None, entry.trimmable, e.tokens, e.draft is not None,
+                          entry.floor, e.floor):
                     del self.entries[key]
                     covered += 1
             self.entries[next(self._keys)] = entry

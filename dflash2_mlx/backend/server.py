@@ -250,6 +250,8 @@ def _model_card(pool: EnginePool, model_id: str) -> dict:
     # Whether greedy replies are plain decoding's here (loop/exactness.py), once measured.
     engine = pool.engines.get(model_id)
     card["dflash"]["verify_rows"] = exactness.note(engine.model if engine is not None else None)
+    if engine is not None:  # loaded: what it has served so far
+        card["dflash"]["live"] = engine.live()
     return card
 
 

@@ -163,6 +163,7 @@ class SoloStream:
             if self.solo and e.batching.handover_wanted():  # another request must not wait for it
                 self.finish = "handover"  # what it has read goes with it (``_close``)
                 return True
+        e.prefix_cache.read(request.ids[:-1], self.start)
         return False
 
     def _stream(self):

@@ -67,6 +67,7 @@ class Spilled:
     draft: bool
     trimmable: bool
     nbytes: int
+    floor: int = 0
 
 
 def checksum(arrays: dict) -> str:
@@ -113,7 +114,7 @@ def _arrays(entry: Entry):
     for i, (k, v) in enumerate(entry.draft or []):
         arrays[f"d{i}.k"], arrays[f"d{i}.v"] = k, v
     meta = {"format": FORMAT, "target": json.dumps(layout), "trimmable": str(int(entry.trimmable)),
-            "draft": str(len(entry.draft)) if entry.draft is not None else "none", "sha256": checksum(arrays)}
+            "floor": str(entry.floor), "draft": str(len(entry.draft)) if entry.draft is not None else "none", "sha256": checksum(arrays)}
     return arrays, meta
 
 
@@ -133,7 +134,8 @@ def _entry(arrays: dict, meta: dict) -> Entry:
     draft = None if meta["draft"] == "none" else [(arrays[f"d{i}.k"], arrays[f"d{i}.v"])
                                                   for i in range(int(meta["draft"]))]
     nbytes = sum(a.nbytes for k, a in arrays.items() if k != "tokens")
-    return Entry(tuple(arrays["tokens"].tolist()), target, draft, meta["trimmable"] == "1", nbytes)
+    return Entry(tuple(arrays["tokens"].tolist()), target, draft, meta["trimmable"] == "1", nbytes,
+                 int(meta.get("floor", 0)))
 
 
 class DiskTier:
@@ -172,7 +174,7 @@ class DiskTier:
                         raise ValueError(f"format {meta.get('format')!r}")
                     tokens = tuple(int(t) for t in st.get_tensor("tokens"))
                 self.entries[f.stem] = Spilled(tokens, meta["draft"] != "none", meta["trimmable"] == "1",
-                                               f.stat().st_size)
+                                               f.stat().st_size, int(meta.get("floor", 0)))
             except Exception as e:  # a cache: a file it cannot read goes
                 log.warning("prefix cache: dropping unreadable %s (%s)", f, e)
                 f.unlink(missing_ok=True)
@@ -183,7 +185,7 @@ class DiskTier:
         best, best_n = None, 0
         with self._lock:
             for name, s in self.entries.items():
-                n = reuse_length(s.tokens, s.draft, s.trimmable, ids, draft)
+                n = reuse_length(s.tokens, s.draft, s.trimmable, ids, draft, s.floor)
                 if n > best_n:
                     best, best_n = name, n
         return best, best_n
@@ -205,10 +207,11 @@ class DiskTier:
             return
         with self._lock:
             for old, s in list(self.entries.items()):
-                if old != name and covers(entry.tokens, entry.draft is not None, entry.trimmable, s.tokens, s.draft):
+                if old != name and covers(entry.tokens, entry.draft is not None, entry.trimmable, s.tokens, s.draft,
+                                          entry.floor, s.floor):
                     self._drop(old)
             self.entries.pop(name, None)
-            self.entries[name] = Spilled(entry.tokens, entry.draft is not None, entry.trimmable, size)
+            self.entries[name] = Spilled(entry.tokens, entry.draft is not None, entry.trimmable, size, entry.floor)
             self._fit()
 
     def load(self, name: str, fits=None) -> Optional[Entry]:

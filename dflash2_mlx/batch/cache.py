@@ -21,7 +21,12 @@ their mlx-lm ``ArraysCache`` batched along its first axis.  Their state cannot b
 so when some sequence rejected part of its block the states are restored from a snapshot
 taken before the verify pass and each sequence's kept tokens are run again in one
 right-padded pass, the padding masked by the cache's ``lengths`` (the single-stream
-rollback, batched).  Sliding-window and other caches are refused (``UnsupportedTargetError``).
+rollback, batched).  Sliding-window layers (mlx-lm's ``RotatingKVCache``) are ``BatchCache``s
+too, whose mask also drops the keys a window leaves behind (each live row's position is known
+from ``Rows``): their rows are not dropped, so they cost the memory of full attention while the
+sequence is in the batch; a sequence joining from a rotating cache brings the rows it holds
+(the window), the older ones zeros no query's window reaches.  Quantized and chunked caches
+are refused (``UnsupportedTargetError``).
 Joining sequences are prefilled together the same way: right-padded chunks, ``lengths``
 for the recurrent layers, holes for the attention rows.
 
@@ -36,7 +41,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..loop.target import Target, UnsupportedTargetError
 from ..model.drafter import Drafter
@@ -62,12 +67,24 @@ class Rows:
         self.live, self.positions = live, positions
         self.offset = mx.array(positions.astype(np.int32))
 
-    def mask(self, n: int) -> mx.array:
-        """[S, 1, n, rows + n]: each sequence's live rows, then causal inside the new rows."""
+    def mask(self, n: int, window: Optional[int] = None) -> mx.array:
+        """[S, 1, n, rows + n]: each sequence's live rows, then causal inside the new rows;
+        with a ``window``, only keys fewer than ``window`` positions back (mlx-lm's sliding
+        window: query q reads key k when q - k < window)."""
         S = self.live.shape[0]
-        old = mx.broadcast_to(mx.array(self.live)[:, None, None, :], (S, 1, n, self.size))
-        new = mx.broadcast_to(mx.tril(mx.ones((n, n), dtype=mx.bool_)), (S, 1, n, n))
-        return mx.concatenate([old, new], axis=-1)
+        causal = np.tril(np.ones((n, n), dtype=bool))
+        if window is None:
+            old = mx.broadcast_to(mx.array(self.live)[:, None, None, :], (S, 1, n, self.size))
+            new = mx.broadcast_to(mx.array(causal), (S, 1, n, n))
+            return mx.concatenate([old, new], axis=-1)
+        # A live row's position: the sequence's next position less the live rows from it on.
+        after = np.cumsum(self.live[:, ::-1], axis=1)[:, ::-1]
+        keys = self.positions[:, None] - after  # [S, rows]
+        queries = self.positions[:, None] + np.arange(n)[None, :]  # [S, n]
+        old = self.live[:, None, :] & (queries[:, :, None] - keys[:, None, :] < window)
+        steps = np.arange(n)[:, None] - np.arange(n)[None, :]
+        new = np.broadcast_to(causal & (steps < window), (S, n, n))
+        return mx.array(np.concatenate([old, new], axis=-1)[:, None])
 
     def commit(self, kept: Sequence[int]):
         """After a pass, sequence i keeps its first ``kept[i]`` new rows; the rest are
@@ -105,9 +122,7 @@ class BatchCache:
         return self.keys[..., : prev + n, :], self.values[..., : prev + n, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
-        if window_size is not None:
-            raise UnsupportedTargetError("batched DFlash does not support sliding-window layers")
-        return self.rows.mask(N)
+        return self.rows.mask(N, window_size)
 
     @property
     def state(self):
@@ -140,18 +155,21 @@ class TargetBatch:
     """The target's caches for a batch of sequences: join, leave, compact, extract, and
     the recurrent layers' snapshot and replay."""
 
-    def __init__(self, recurrent: Sequence[int]):
-        """``recurrent``: per target layer, 0 for attention, else its recurrent state's
-        number of arrays (an mlx-lm ``ArraysCache`` batched along its first axis)."""
+    def __init__(self, kinds: Sequence[int]):
+        """``kinds``: per target layer, 0 for attention, a negative -w for a sliding window of
+        w, a positive n for a recurrent state of n arrays (an mlx-lm ``ArraysCache`` batched
+        along its first axis)."""
         self.rows = Rows()
-        self.layers = [ArraysCache(n) if n else BatchCache(self.rows) for n in recurrent]
+        self.layers = [ArraysCache(n) if n > 0 else BatchCache(self.rows) for n in kinds]
+        self.windows = [-n if n < 0 else None for n in kinds]
 
     def __len__(self):
         return self.rows.live.shape[0]
 
     @property
     def kinds(self) -> List[int]:
-        return [len(c.cache) if isinstance(c, ArraysCache) else 0 for c in self.layers]
+        return [len(c.cache) if isinstance(c, ArraysCache) else -(w or 0)
+                for c, w in zip(self.layers, self.windows)]
 
     @property
     def recurrent(self) -> List[ArraysCache]:
@@ -163,10 +181,12 @@ class TargetBatch:
         one = TargetBatch(self.kinds)
         n = 0
         if cache is not None:
-            n = next((c.offset for c in cache if isinstance(c, KVCache)), 0)
+            n = next((c.offset for c in cache if isinstance(c, (KVCache, RotatingKVCache))), 0)
             for layer, c in zip(one.layers, cache):
                 if isinstance(layer, ArraysCache):
                     layer.cache = list(c.cache)
+                elif isinstance(c, RotatingKVCache) and n:
+                    layer.keys, layer.values = window_rows(c, n)
                 elif n:
                     layer.keys, layer.values = c.keys[..., :n, :], c.values[..., :n, :]
         one.rows._set(np.ones((1, n), dtype=bool), np.array([n]))
@@ -228,10 +248,18 @@ class TargetBatch:
         """Sequence i's caches as a single stream's (its committed tokens in order)."""
         cols = mx.array(np.nonzero(self.rows.live[i])[0].astype(np.int32))
         out = []
-        for layer in self.layers:
+        for layer, window in zip(self.layers, self.windows):
             if isinstance(layer, ArraysCache):
                 c = ArraysCache(len(layer.cache))
                 c.cache = [None if x is None else x[i : i + 1] for x in layer.cache]
+            elif window is not None:
+                # The rows a window still reads, in order, as mlx-lm's rotating cache holds
+                # them after it has written them one at a time.
+                c, n = RotatingKVCache(max_size=window, keep=0), int(cols.size)
+                last = cols[max(0, n - window):]
+                keys = mx.contiguous(mx.take(layer.keys[i : i + 1], last, axis=2))
+                values = mx.contiguous(mx.take(layer.values[i : i + 1], last, axis=2))
+                c.state = (keys, values, n, 0, window, int(last.size))
             else:
                 c = KVCache()
                 c.keys = mx.contiguous(mx.take(layer.keys[i : i + 1], cols, axis=2))
@@ -303,19 +331,33 @@ def _left_pad(x: mx.array, width: int) -> mx.array:
     return mx.pad(x, [(0, 0), (0, 0), (width - x.shape[2], 0), (0, 0)])
 
 
+def window_rows(c: RotatingKVCache, n: int):
+    """A rotating cache's keys and values as ``n`` rows in position order: the rows it holds
+    last, zeros before them (older than its window: no later query reads them)."""
+    k, v = c.keys, c.values
+    if c.offset <= k.shape[2]:
+        k, v = k[..., : c.offset, :], v[..., : c.offset, :]
+    elif c._idx < k.shape[2]:  # wrapped around (keep 0): the oldest rows start at _idx
+        k = mx.concatenate([k[..., c._idx :, :], k[..., : c._idx, :]], axis=2)
+        v = mx.concatenate([v[..., c._idx :, :], v[..., : c._idx, :]], axis=2)
+    return _left_pad(k, n), _left_pad(v, n)
+
+
 def batch_layers(target: Target) -> List[int]:
-    """What ``TargetBatch`` needs to know of the target's layers; refuses the caches it
-    cannot batch (sliding windows, quantized or chunked attention caches)."""
+    """What ``TargetBatch`` needs to know of the target's layers (its ``kinds``); refuses
+    the caches it cannot batch (quantized or chunked attention caches)."""
     kinds = []
     for c in target.make_cache():
         if type(c) is KVCache:
             kinds.append(0)
+        elif type(c) is RotatingKVCache and c.keep == 0:
+            kinds.append(-c.max_size)
         elif type(c) is ArraysCache:
             kinds.append(len(c.cache))
         else:
             raise UnsupportedTargetError(
-                f"batched DFlash supports targets whose layers use plain attention caches "
-                f"(KVCache) or recurrent states (ArraysCache); this "
+                f"batched DFlash supports targets whose layers use attention caches "
+                f"(KVCache, RotatingKVCache) or recurrent states (ArraysCache); this "
                 f"{target.model_type or 'target'} has a {type(c).__name__}: serve it one "
                 "sequence at a time")
     return kinds
