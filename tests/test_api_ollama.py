@@ -232,7 +232,6 @@ def test_model_routes(server, client):
     (lambda c: c.chat(model=MODEL, messages=[{"role": "user", "content": "hi", "images": [b"\x89PNG"]}]),
      400, "no vision"),
     (lambda c: c.chat(model=MODEL, messages=CHAT, format="json"), 400, "format"),
-    (lambda c: c.chat(model=MODEL, messages=CHAT, think=True), 400, "think"),
     (lambda c: c.chat(model=MODEL, messages=[{"role": "robot", "content": "hi"}]), 400, "messages.0.role"),
     (lambda c: c.generate(model=MODEL, prompt="def f(", suffix="return x"), 400, "suffix"),
     (lambda c: c.generate(model=MODEL, prompt="hi", template="{{ .Prompt }}"), 400, "template"),

@@ -22,28 +22,41 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tokenizer(tok, path: Path):
+# Qwen3's way: the generation prompt opens a think block unless enable_thinking is false,
+# which leaves an empty one closed.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}a:{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think></think>{% else %}<think>{% endif %}{% endif %}"
+)
+
+
+def save_tokenizer(tok, path: Path, template: str = CHAT_TEMPLATE):
     """``tok`` (a tokenizers.Tokenizer) as a Hugging Face tokenizer directory with the specials."""
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }))
 
 
-def write_tokenizer(path: Path, alphabet: str = ALPHABET, vocab_size: int = None):
-    """A character-level tokenizer: specials, then one token per character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def write_tokenizer(path: Path, alphabet: str = ALPHABET, vocab_size: int = None, thinking: bool = False):
+    """A character-level tokenizer: specials, then one token per character; ``thinking``:
+    with ``<think>`` / ``</think>`` tokens (as Qwen3's, not special: they stay in the text)
+    and a template that opens a think block."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tokens = SPECIALS + [c for c in alphabet if c not in ":"] + [":"]
-    vocab = {t: i for i, t in enumerate(tokens)}
+    tags = ["<think>", "</think>"] if thinking else []
+    vocab = {t: i for i, t in enumerate(tokens + tags)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    save_tokenizer(tok, path)
-    return len(tokens)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
+    save_tokenizer(tok, path, THINKING_TEMPLATE if thinking else CHAT_TEMPLATE)
+    return len(vocab)
 
 
 # Emoji byte-pieces of the byte-level tokenizer: a character U+1F000..U+1F7FF (emoji and
@@ -264,3 +277,38 @@ def looping_pair(path):
     model.model.norm.weight = only0
     drafter.norm.weight = -only0
     return model, tok, drafter, only0
+
+
+def thinking_pair(path, reply: str = "hm</think>ok"):
+    """A qwen3 target whose greedy reply to any chat prompt (its template opens a think
+    block) is ``reply`` then <eos>, and a random DFlash 2 drafter: every layer's output
+    projections are zero, so each position's state is its token's embedding, and the LM head
+    maps each token of the chain <think>, reply's tokens (all different), to the next one."""
+    import mlx.core as mx
+
+    path = Path(path)
+    vocab = write_tokenizer(path / "t", thinking=True)
+    config = target_config("qwen3", vocab, hidden=64, layers=2)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    ids = json.loads((path / "t" / "tokenizer.json").read_text())["model"]["vocab"]
+    chain, i = ["<think>"], 0
+    while i < len(reply):
+        tag = next((t for t in ("</think>", "<think>") if reply.startswith(t, i)), reply[i])
+        chain.append(tag)
+        i += len(tag)
+    chain.append("<eos>")
+    embed = mx.zeros((vocab, 64)).at[mx.arange(vocab), mx.arange(vocab) % 64].add(1.0)
+    head = mx.zeros((vocab, 64))
+    for a, b in zip(chain, chain[1:]):
+        head = head.at[ids[b], ids[a] % 64].add(10.0)
+    for k in params:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            params[k] = mx.zeros_like(params[k])
+    params["model.embed_tokens.weight"], params["lm_head.weight"] = embed, head
+    mx.save_safetensors(str(path / "t" / "model.safetensors"), params)
+    (path / "t" / "config.json").write_text(json.dumps(config, indent=1))
+    make_drafter(path / "d", path / "t", version=2, target_layer_ids=(0, 1))
+    return path / "t", path / "d"

@@ -13,7 +13,7 @@ import json
 from fastapi import FastAPI, Request
 
 from .anthropic_wire import (CountRequest, MessagesRequest, error_body, message, new_message_id, reply_content,
-                             stop_fields, tool_use_block, usage)
+                             stop_fields, thinking_block, tool_use_block, usage)
 from .http import engine_for, error_shape, mapped_errors, parse, until_disconnect
 from .pool import EnginePool
 from .protocol import APIError, dflash_stats
@@ -35,7 +35,8 @@ def add_routes(app: FastAPI, pool: EnginePool):
         engine = await engine_for(pool, body)
         mid, tools = new_message_id(), body.template_tools()
         with mapped_errors():
-            ids = await engine.off_loop(engine.encode_chat, body.template_messages(), tools, None, body.prefill)
+            ids = await engine.off_loop(engine.encode_chat, body.template_messages(), tools, body.template_kwargs(),
+                                        body.prefill)
             chunks = engine.stream_ids(ids, tools, chat=True, request_id=mid, continues=body.prefill is not None,
                                        **body.options())
             tell(request, engine.settings.engine(len(ids)))
@@ -43,7 +44,7 @@ def add_routes(app: FastAPI, pool: EnginePool):
                 return framed_response(events(mid, body, chunks), engine, mid, error_frame)
             c = await until_disconnect(request, collect(chunks), engine, mid)
         tell(request, dflash_stats(c))
-        return message(mid, body.model, reply_content(c.text, c.tool_calls, body.one_tool_use), c)
+        return message(mid, body.model, reply_content(c.text, c.tool_calls, body.one_tool_use, c.reasoning), c)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -51,7 +52,7 @@ def add_routes(app: FastAPI, pool: EnginePool):
         engine = await engine_for(pool, body)
         with mapped_errors():
             ids = await engine.off_loop(engine.encode_chat, body.template_messages(), body.template_tools(),
-                                        None, body.prefill)
+                                        body.template_kwargs(), body.prefill)
         return {"input_tokens": len(ids)}
 
 
@@ -71,10 +72,11 @@ async def events(mid: str, body: MessagesRequest, chunks):
     blocks, last = Blocks(), None
     async for chunk in chunks:
         if last is None:
-            yield frame({"type": "message_start", "message": message(mid, body.model, []) | {"usage": usage(chunk)}})
+            yield frame({"type": "message_start", "message": message(mid, body.model, []) | {"usage": usage(chunk)},
+                         "dflash": chunk.engine})  # how it is decoded, beside the message
             yield frame({"type": "ping"})
         last = chunk
-        for event in blocks.add(last.text, last.tool_calls, body.one_tool_use):
+        for event in blocks.add(last.text, last.tool_calls, body.one_tool_use, last.reasoning):
             yield frame(event)
     if last is None:  # the engine ends every stream with a chunk; this one had none
         raise APIError(500, "the reply ended before it began", type="server_error")
@@ -94,9 +96,21 @@ class Blocks:
     def __init__(self):
         self.count = 0  # blocks started
         self.open_text = False
+        self.open_thinking = False
+        self.thoughts = 0  # thinking blocks started
         self.tool_uses = 0
 
-    def add(self, text: str, calls, one_tool_use: bool):
+    def add(self, text: str, calls, one_tool_use: bool, reasoning: str = ""):
+        if reasoning:
+            if not self.open_thinking:
+                yield from self.close()
+                yield self._start(thinking_block(""))
+                self.open_thinking = True
+                self.thoughts += 1
+            yield {"type": "content_block_delta", "index": self.count - 1,
+                   "delta": {"type": "thinking_delta", "thinking": reasoning}}
+        if text or calls:
+            yield from self._close_thinking()
         if text:
             if not self.open_text:
                 yield self._start({"type": "text", "text": ""})
@@ -114,9 +128,17 @@ class Blocks:
                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(use["input"], ensure_ascii=False)}}
             yield {"type": "content_block_stop", "index": self.count - 1}
 
+    def _close_thinking(self):
+        if self.open_thinking:
+            self.open_thinking = False
+            yield {"type": "content_block_delta", "index": self.count - 1,
+                   "delta": {"type": "signature_delta", "signature": ""}}
+            yield {"type": "content_block_stop", "index": self.count - 1}
+
     def close(self, empty_text: bool = False):
-        """Stop the open text block; ``empty_text``: a reply with no block at all gets an empty one."""
-        if empty_text and self.count == 0:
+        """Stop the open block; ``empty_text``: a reply with no text or tool block gets an empty text one."""
+        yield from self._close_thinking()
+        if empty_text and self.count == self.thoughts:
             yield self._start({"type": "text", "text": ""})
             self.open_text = True
         if self.open_text:

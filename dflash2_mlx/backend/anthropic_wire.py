@@ -110,6 +110,12 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool = False
 
 
+class ThinkingParam(_Strict):
+    """Extended thinking: on or off (the template's enable_thinking); the budget is not read."""
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = Field(None, ge=0)
+
+
 class CountRequest(_Strict):
     """What /v1/messages/count_tokens reads: what makes the prompt."""
     model: Optional[str] = Field(None, min_length=1)  # None: the default model
@@ -117,6 +123,13 @@ class CountRequest(_Strict):
     system: Optional[List[TextBlock]] = None
     tools: Optional[List[ToolParam]] = None
     tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[ThinkingParam] = None
+
+    def template_kwargs(self) -> Optional[dict]:
+        """``thinking`` as the chat template's enable_thinking (None: the template's default)."""
+        if self.thinking is None or self.thinking.type == "adaptive":
+            return None
+        return {"enable_thinking": self.thinking.type == "enabled"}
 
     @field_validator("system", mode="before")
     @classmethod
@@ -264,7 +277,13 @@ def message(mid: str, model: str, content: List[dict], c=None) -> dict:
     return out
 
 
-def reply_content(text: str, calls: List[dict], one_tool_use: bool = False) -> List[dict]:
-    """A reply's content blocks: its text (if any, or if there is nothing else), then its tool uses."""
+def reply_content(text: str, calls: List[dict], one_tool_use: bool = False, reasoning: str = "") -> List[dict]:
+    """A reply's content blocks: its reasoning as a thinking block (no signature: nothing
+    signs it here), its text (if any, or if there is nothing else), then its tool uses."""
     uses = [tool_use_block(c) for c in (calls[:1] if one_tool_use else calls)]
-    return ([{"type": "text", "text": text}] if text or not uses else []) + uses
+    thought = [thinking_block(reasoning)] if reasoning else []
+    return thought + ([{"type": "text", "text": text}] if text or not uses else []) + uses
+
+
+def thinking_block(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}

@@ -270,7 +270,7 @@ class Batching:
             self._refuse(request, push, "error", ex)
             return
         e.stats.move(active=1)
-        j = Joined(request, push, start, Reply(e.tokenizer, request.options, request.tools, request.chat),
+        j = Joined(request, push, start, Reply(e.tokenizer, request.options, request.tools, request.chat, request.ids),
                    detokenizer_after(e.tokenizer, request.ids if request.continues else ()),
                    e.decoding(len(request.ids)))
         j.ids = ids
@@ -310,15 +310,16 @@ class Batching:
             if r.finish_reason:
                 j.detokenizer.finalize()
             j.reply.token(r.token, r.logprobs, r.finish_reason)
-            content, calls, j.finish = j.reply.add(j.detokenizer.last_segment, r.finish_reason)
-            if content or calls or j.finish:
-                st = j.stats(r.stats)
-                j.push(Chunk(text=content, finish_reason=j.finish, prompt_tokens=len(j.request.ids),
+            st = j.stats(r.stats)
+            content, calls, j.finish, reasoning = j.reply.add(j.detokenizer.last_segment, r.finish_reason, st.cycles)
+            if content or calls or j.finish or reasoning:
+                j.push(Chunk(text=content, reasoning=reasoning, finish_reason=j.finish, prompt_tokens=len(j.request.ids),
                              completion_tokens=j.n, tool_calls=calls, tau=st.tau, cycles=st.cycles,
                              generation_tps=j.n / max(now - j.first, 1e-9),
                              block_sizes=dict(sorted(st.block_sizes.items())), fallback=st.fallback,
                              cached_tokens=j.start.reused, engine=j.decoding, shadows=st.shadows,
-                             logprobs=j.reply.take(), stop_sequence=j.reply.matcher.hit))
+                             logprobs=j.reply.take(), stop_sequence=j.reply.matcher.hit,
+                             segments=j.reply.segments(st.cycles) if j.finish else None))
             if j.finish:
                 ended.append(r.uid)
         for uid in ended:

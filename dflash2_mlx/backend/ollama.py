@@ -188,7 +188,7 @@ def _add_chat(app, pool):
                 return _ndjson(_chat_lines(name, chunks, clock, body.logprobs), engine, rid)
             c = await until_disconnect(request, collect(chunks), engine, rid)
         tell(request, dflash_stats(c))
-        return {**chat_line(name, c.text, c.tool_calls, c.logprobs if body.logprobs else None),
+        return {**chat_line(name, c.text, c.tool_calls, c.logprobs if body.logprobs else None, c.reasoning),
                 **closing(c, clock.durations())}
 
 
@@ -196,8 +196,8 @@ async def _chat_lines(name, chunks, clock, logprobs: bool):
     last = None
     async for last in chunks:
         entries = last.logprobs if logprobs else None
-        if last.text or last.tool_calls or entries:
-            yield _line(chat_line(name, last.text, last.tool_calls, entries))
+        if last.text or last.tool_calls or entries or last.reasoning:
+            yield _line(chat_line(name, last.text, last.tool_calls, entries, last.reasoning))
     if last is not None:
         yield _line({**chat_line(name, ""), **closing(last, clock.durations())})
 
@@ -222,9 +222,10 @@ def _add_generate(app, pool):
                 return _ndjson(_generate_lines(name, chunks, clock, body, engine, ids), engine, rid)
             c = await until_disconnect(request, collect(chunks), engine, rid)
         tell(request, dflash_stats(c))
-        out = {**generate_line(name, c.text, c.logprobs if body.logprobs else None), **closing(c, clock.durations())}
+        out = {**generate_line(name, c.text, c.logprobs if body.logprobs else None, c.reasoning),
+               **closing(c, clock.durations())}
         if not body.raw:  # as Ollama: a raw prompt returns no context
-            out["context"] = await engine.off_loop(_context, engine, ids, c.text, c)
+            out["context"] = await engine.off_loop(_context, engine, ids, _said(engine, c.reasoning, c.text), c)
         return out
 
 
@@ -242,6 +243,12 @@ def _prompt_ids(engine, body: GenerateRequest) -> list:
     return engine.encode(body.context) + ids
 
 
+def _said(engine, reasoning: str, text: str) -> str:
+    """The reply as the conversation holds it: its reasoning closed by the think tag, then
+    the answer (the whitespace between them is not kept)."""
+    return f"{reasoning}{engine.tokenizer.think_end}{text}" if reasoning else text
+
+
 def _context(engine, ids, text: str, last) -> list:
     """The conversation so far as token ids: the prompt's, then the reply's (its ``text``
     tokenized again) and the end of sequence that closed it (``last``: its last chunk)."""
@@ -252,17 +259,19 @@ def _context(engine, ids, text: str, last) -> list:
 
 
 async def _generate_lines(name, chunks, clock, body: GenerateRequest, engine, ids):
-    last, text = None, []
+    last, text, thought = None, [], []
     async for last in chunks:
         entries = last.logprobs if body.logprobs else None
         text.append(last.text)
-        if last.text or entries:
-            yield _line(generate_line(name, last.text, entries))
+        thought.append(last.reasoning)
+        if last.text or entries or last.reasoning:
+            yield _line(generate_line(name, last.text, entries, last.reasoning))
     if last is None:
         return
     out = {**generate_line(name, ""), **closing(last, clock.durations())}
     if not body.raw:
-        out["context"] = await engine.off_loop(_context, engine, ids, "".join(text), last)
+        out["context"] = await engine.off_loop(_context, engine, ids, _said(engine, "".join(thought), "".join(text)),
+                                               last)
     yield _line(out)
 
 

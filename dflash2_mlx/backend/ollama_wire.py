@@ -111,9 +111,8 @@ class _Generation(_Strict):
     @field_validator("think")
     @classmethod
     def _think(cls, v):
-        if v not in (None, False):
-            raise ValueError(unsupported("think", "replies are not split into thinking and content; "
-                                         "send think: false or leave it out"))
+        if v not in (None, True, False, "high", "medium", "low"):
+            raise ValueError('think is true, false, "high", "medium" or "low"')
         return v
 
     @property
@@ -131,8 +130,9 @@ class _Generation(_Strict):
         return out
 
     def template_kwargs(self) -> Optional[dict]:
-        """think: false -> the template's enable_thinking false (Qwen3's and the like)."""
-        return {"enable_thinking": False} if self.think is False else None
+        """think -> the template's enable_thinking (Qwen3's and the like; a level is on);
+        left out: the template's default.  The reasoning comes back apart (``thinking``)."""
+        return None if self.think is None else {"enable_thinking": self.think is not False}
 
 
 def no_images(v):
@@ -296,8 +296,10 @@ def closing(last, durations: dict) -> dict:
             "dflash": {**dflash_stats(last), "cached_tokens": last.cached_tokens}}
 
 
-def chat_line(model: str, content: str, calls=(), logprobs=None) -> dict:
+def chat_line(model: str, content: str, calls=(), logprobs=None, thinking: str = "") -> dict:
     message = {"role": "assistant", "content": content}
+    if thinking:
+        message["thinking"] = thinking
     if calls:
         message["tool_calls"] = tool_calls(calls)
     out = {"model": model, "created_at": timestamp(), "message": message, "done": False}
@@ -306,8 +308,10 @@ def chat_line(model: str, content: str, calls=(), logprobs=None) -> dict:
     return out
 
 
-def generate_line(model: str, text: str, logprobs=None) -> dict:
+def generate_line(model: str, text: str, logprobs=None, thinking: str = "") -> dict:
     out = {"model": model, "created_at": timestamp(), "response": text, "done": False}
+    if thinking:
+        out["thinking"] = thinking
     if logprobs:
         out["logprobs"] = logprobs
     return out

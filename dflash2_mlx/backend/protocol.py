@@ -189,6 +189,16 @@ class ChatRequest(_Request):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # template variables, as mlx_lm.server and vLLM take them
+    # OpenAI's: "none" turns the template's thinking off (enable_thinking), any other level on
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+
+    def template_kwargs(self) -> Optional[dict]:
+        """The template variables: ``chat_template_kwargs``, with ``reasoning_effort`` as
+        enable_thinking where those do not set it."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return out or self.chat_template_kwargs
 
     @field_validator("tools")
     @classmethod
@@ -269,6 +279,8 @@ def dflash_stats(c) -> dict:
            "fallback": c.fallback, "shadows": c.shadows}
     if c.trees is not None:
         out["trees"] = c.trees
+    if c.segments is not None:
+        out["segments"] = c.segments
     return out
 
 
@@ -294,6 +306,8 @@ def completion_logprobs(entries: Optional[List[dict]], offset: int = 0) -> Optio
 
 def chat_response(rid, model, completion, logprobs: bool = False) -> dict:
     message = {"role": "assistant", "content": completion.text}
+    if completion.reasoning:  # vLLM's and DeepSeek's field, and mlx-lm's
+        message["reasoning_content"] = message["reasoning"] = completion.reasoning
     if completion.tool_calls:
         message["tool_calls"] = completion.tool_calls
     return {

@@ -63,8 +63,9 @@ def text_part(text: str, logprobs: Optional[List[dict]]) -> dict:
 
 
 class OutputBuilder:
-    """A reply's output items, built from its chunks: a message with the text, a
-    function_call item per tool call (with ``parallel_tool_calls`` false, the first only).
+    """A reply's output items, built from its chunks: a reasoning item with a thinking
+    model's reasoning, a message with the text, a function_call item per tool call (with
+    ``parallel_tool_calls`` false, the first only).
     ``add`` and ``finish`` return the stream events (type, fields) that build the same items,
     in the order of OpenAI's (ResponseStreamEvent). Text that is only whitespace before
     anything else is held back (a model often writes a newline before its tool call)."""
@@ -76,9 +77,14 @@ class OutputBuilder:
         self.text, self.entries = "", []
         self.held, self.held_entries = "", []
         self.calls = 0
+        self.reasoning: Optional[dict] = None  # the reasoning item being written
 
     def add(self, chunk) -> List[tuple]:
         events = []
+        if chunk.reasoning:
+            events += self._reason(chunk.reasoning)
+        if chunk.text or chunk.tool_calls:
+            events += self._close_reasoning()
         if chunk.text or chunk.logprobs:
             events += self._text(chunk.text, chunk.logprobs if self.logprobs else [])
         for call in chunk.tool_calls:
@@ -97,6 +103,34 @@ class OutputBuilder:
         self.entries += entries
         return events + [("response.output_text.delta", {**self._where(), "content_index": 0, "delta": text,
                                                          "logprobs": entries})]
+
+    def _reason(self, text: str) -> List[tuple]:
+        events = []
+        if self.reasoning is None:
+            events += self._close("completed")
+            self.reasoning = {"type": "reasoning", "id": new_item_id("rs"), "summary": [], "content": [],
+                              "status": "in_progress", "text": ""}
+            item = {k: v for k, v in self.reasoning.items() if k != "text"}
+            events += [("response.output_item.added", {"output_index": len(self.items), "item": item}),
+                       ("response.content_part.added", {"item_id": item["id"], "output_index": len(self.items),
+                                                        "content_index": 0,
+                                                        "part": {"type": "reasoning_text", "text": ""}})]
+        self.reasoning["text"] += text
+        return events + [("response.reasoning_text.delta", {"item_id": self.reasoning["id"],
+                                                            "output_index": len(self.items),
+                                                            "content_index": 0, "delta": text})]
+
+    def _close_reasoning(self, status: str = "completed") -> List[tuple]:
+        if self.reasoning is None:
+            return []
+        r, self.reasoning = self.reasoning, None
+        part = {"type": "reasoning_text", "text": r["text"]}
+        item = {"type": "reasoning", "id": r["id"], "summary": [], "content": [part], "status": status}
+        where = {"item_id": r["id"], "output_index": len(self.items)}
+        self.items.append(item)
+        return [("response.reasoning_text.done", {**where, "content_index": 0, "text": r["text"]}),
+                ("response.content_part.done", {**where, "content_index": 0, "part": part}),
+                ("response.output_item.done", {"output_index": where["output_index"], "item": item})]
 
     def _where(self) -> dict:
         return {"item_id": self.message["id"], "output_index": len(self.items)}
@@ -140,8 +174,8 @@ class OutputBuilder:
     def finish(self, status: str) -> List[tuple]:
         """Close the reply (``status``: "completed" or "incomplete"); a reply with nothing in
         it is one empty message."""
-        events = []
-        if not self.items and self.message is None:
+        events = self._close_reasoning(status)
+        if not any(i["type"] != "reasoning" for i in self.items) and self.message is None:
             events = self._open()
             if self.held:  # the whitespace held back is all the text there is
                 events += self._text("", [])
@@ -181,7 +215,8 @@ def add_routes(app, pool):
         rid = new_item_id("resp")
         tools = body.engine_tools()
         with mapped_errors(prompt_param="input"):
-            ids = await engine.off_loop(engine.encode_chat, template_messages(items, body.instructions), tools)
+            ids = await engine.off_loop(engine.encode_chat, template_messages(items, body.instructions), tools,
+                                        body.template_kwargs())
             chunks = engine.stream_ids(ids, tools, chat=True, request_id=rid, **body.options())
             reply = Reply(rid, body, store, items)
             tell(request, engine.settings.engine(len(ids)))

@@ -83,13 +83,23 @@ class FunctionCallOutputItem(_Item):
                 "output": parts_text(self.output, "a function call's output")}
 
 
+class ReasoningItem(_Item):
+    """An earlier reply's reasoning, as clients send it back: left out of the prompt (as
+    thinking models' templates leave earlier turns' reasoning out)."""
+    type: Literal["reasoning"]
+
+    def normal(self) -> dict:
+        return {"type": "reasoning"}
+
+
 def _item_kind(v):
     return v.get("type", "message") if isinstance(v, dict) else None
 
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]],
                       Discriminator(_item_kind)]
 INPUT_ITEM = TypeAdapter(InputItem)
 
@@ -134,6 +144,7 @@ class ResponsesRequest(BaseModel):
     background: Optional[bool] = None
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None
+    reasoning: Optional[Dict[str, Any]] = None  # effort "none": the template's thinking off
     # This server's own options, as its chat route takes them
     stop: Optional[Union[str, List[str]]] = None
     seed: Optional[int] = None
@@ -161,6 +172,8 @@ class ResponsesRequest(BaseModel):
                 where = ".".join(str(k) for k in err["loc"][1:])  # after the item's kind
                 raise ValueError(f"input[{i}]{'.' + where if where else ''}: "
                                  f"{err['msg'].removeprefix('Value error, ')}") from None
+        if all(item.type == "reasoning" for item in items):
+            raise ValueError("the input has only reasoning items (left out of the prompt): add a message")
         return items
 
     @field_validator("tools")
@@ -226,6 +239,11 @@ class ResponsesRequest(BaseModel):
         return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                   if t.get(k) is not None}} for t in self.tools]
 
+    def template_kwargs(self) -> Optional[dict]:
+        """``reasoning.effort`` as the template's enable_thinking ("none": off; any other: on)."""
+        effort = (self.reasoning or {}).get("effort")
+        return None if effort is None else {"enable_thinking": effort != "none"}
+
     def options(self) -> dict:
         """Engine options (``RequestOptions``' names): only those the client set."""
         out = {k: getattr(self, k) for k in ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "logit_bias")
@@ -246,6 +264,8 @@ def template_messages(items: List[dict], instructions: Optional[str] = None) -> 
     names = {}
     for item in items:
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            continue
         if kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -272,7 +292,8 @@ def usage(c) -> dict:
     allows, with no write a request asks for (OpenAI's counts explicit cache writes)."""
     details = {"cached_tokens": c.cached_tokens, "cache_write_tokens": 0}
     return {"input_tokens": c.prompt_tokens, "input_tokens_details": details,
-            "output_tokens": c.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": c.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": (c.segments or {}).get("thinking", {}).get("tokens", 0)},
             "total_tokens": c.prompt_tokens + c.completion_tokens}
 
 

@@ -161,7 +161,7 @@ def _add_generation_routes(app: FastAPI, pool: EnginePool):
         rid = new_id("chatcmpl")
         with mapped_errors():
             ids = await engine.off_loop(engine.encode_chat, body.template_messages(), body.tools,
-                                        body.chat_template_kwargs)
+                                        body.template_kwargs())
             chunks = engine.stream_ids(ids, body.tools, chat=True, request_id=rid, **body.options())
             tell(request, engine.settings.engine(len(ids)))
             if body.stream:

@@ -116,7 +116,7 @@ class SoloStream:
         self.mode = s.verify_mode(self.n_prompt)
         self.decoding = e.decoding(self.n_prompt, s)
         drafting = self.mode != "off" and e.drafter is not None
-        self.reply = Reply(e.tokenizer, request.options, request.tools, request.chat)
+        self.reply = Reply(e.tokenizer, request.options, request.tools, request.chat, request.ids)
         scored = None
         if request.options.prompt_logprobs is not None:
             entries, scored = scored_prompt(e, request.ids, request.options.prompt_logprobs)
@@ -187,14 +187,15 @@ class SoloStream:
             self.emitted.append(last.token)
             e.prefix_cache.note(self.start, self.n_prompt + self.n)
             reply.token(last.token, last.logprobs, last.finish_reason)
-            content, calls, self.finish = reply.add(last.text, last.finish_reason)
-            if content or calls or self.finish:
-                push(Chunk(text=content, finish_reason=self.finish, prompt_tokens=self.n_prompt,
+            content, calls, self.finish, reasoning = reply.add(last.text, last.finish_reason, last.cycles)
+            if content or calls or self.finish or reasoning:
+                push(Chunk(text=content, reasoning=reasoning, finish_reason=self.finish, prompt_tokens=self.n_prompt,
                            completion_tokens=self.n, tool_calls=calls, tau=last.tau, cycles=last.cycles,
                            generation_tps=last.generation_tps, block_sizes=last.block_sizes,
                            fallback=last.fallback, cached_tokens=self.start.reused, engine=self.decoding,
                            shadows=last.shadows, logprobs=reply.take(), stop_sequence=reply.matcher.hit,
-                           trees=tree_report(last) if self.mode in ("tree", "ddtree") else None))
+                           trees=tree_report(last) if self.mode in ("tree", "ddtree") else None,
+                           segments=reply.segments(last.cycles) if self.finish else None))
             if self.finish:
                 break
             yield

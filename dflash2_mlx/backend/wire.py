@@ -36,6 +36,7 @@ class Output:
     """What a chunk and a whole response both carry: text, finish reason, token counts,
     tool calls, how the request was decoded and its draft statistics, log-probabilities."""
     text: str = ""
+    reasoning: str = ""  # a thinking model's reasoning (the text of its think block), apart
     # 'stop' (end of sequence or a stop string), 'length', 'tool_calls' or 'abort'
     finish_reason: Optional[str] = None
     prompt_tokens: int = 0
@@ -50,6 +51,9 @@ class Output:
     engine: dict = field(default_factory=dict)  # how this request is decoded (ModelSettings.engine)
     shadows: int = 0  # plain steps that carried a shadow probe (adaptive speculation)
     trees: Optional[dict] = None  # verify mode tree: trees, nodes verified, depth accepted
+    # A reply with reasoning and an answer: the draft statistics of each ({thinking, answer}:
+    # tokens, cycles, tau), on the last chunk.
+    segments: Optional[dict] = None
     # With the request option logprobs: one entry per token, OpenAI's
     # {token, logprob, bytes, top_logprobs} (the target's log-probabilities, as mlx-lm's).
     logprobs: List[dict] = field(default_factory=list)
@@ -74,13 +78,14 @@ class Completion(Output):
 async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
     """A stream's chunks as one Completion: text, tool calls and logprobs joined, the rest
     from the last chunk."""
-    text, calls, logprobs, last, prompt = "", [], [], None, None
+    text, reasoning, calls, logprobs, last, prompt = "", "", [], [], None, None
     async for last in chunks:
         text += last.text
+        reasoning += last.reasoning
         calls += last.tool_calls
         logprobs += last.logprobs
         prompt = prompt or last.prompt_logprobs
-    return Completion(text=text, finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+    return Completion(text=text, reasoning=reasoning, segments=last.segments, finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
                       completion_tokens=last.completion_tokens, tool_calls=calls, tau=last.tau,
                       cycles=last.cycles, generation_tps=last.generation_tps, block_sizes=last.block_sizes,
                       fallback=last.fallback, cached_tokens=last.cached_tokens, engine=last.engine,
