@@ -17,14 +17,16 @@ def doctor(
     export_costs: Optional[Path] = typer.Option(None, "--export-costs", help="Write this machine's pass costs of the pair (--model and --draft, default the built-in pair; measured now if not yet) to this file, for `generate --cost-file` here or on another machine."),
     draft: Optional[str] = typer.Option(None, "--draft", help="The drafter of --model for --export-costs."),
     costs: bool = typer.Option(False, "--costs", help="Print the verify-cost curves: this machine's measured ones (a pass over N rows against one row) beside the named curves of other machines (an H200, an M4-Pro-shaped one)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print every kernel variant's path and self-check."),
     recalibrate: bool = typer.Option(False, "--recalibrate", help="Forget this machine's measured pass costs and live timings (every pair): the next DFlash request measures them again, e.g. after a calibration taken while the machine was busy."),
 ):
-    """Report the BLAS in use (Linux CPU), per kernel the active path and self-check result,
-    and whether a verify pass is row-exact on this machine (the kept verdict, or --exact)."""
+    """A verdict first, then the BLAS in use (Linux CPU), the kernels (each variant's path and
+    self-check with --verbose), and whether a verify pass is row-exact on this machine (the
+    kept verdict, or --exact)."""
     # Imported when the command runs, not when the CLI starts, so that `--help` stays fast.
     from ..machine.doctor import run_doctor, exactness_report
 
-    run_doctor(echo=typer.echo)
+    run_doctor(echo=typer.echo, verbose=verbose)
     if recalibrate:
         from ..adaptive import store
 

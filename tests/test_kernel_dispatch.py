@@ -115,6 +115,10 @@ def test_gradients_come_from_the_twin():
 
 def test_doctor_reports_every_kernel(capsys):
     report = run_doctor()
+    short = capsys.readouterr().out
+    assert short.startswith("verdict: ") and "--verbose" in short
+    assert not any(r["variant"] in short for r in report)  # the variants only with --verbose
+    report = run_doctor(verbose=True)
     printed = capsys.readouterr().out
     assert [r["kernel"] for r in report] == [k for k in kernels.KERNEL_NAMES
                                              for _ in kernels.production_launches(k)]

@@ -132,3 +132,32 @@ async def _last(chunks):
     async for c in chunks:
         last = c
     return last
+
+
+def test_a_prompt_read_beside_decoding_requests_is_read_in_chunks_of_their_cycles(pair):
+    """While requests decode, a prompt being read takes chunks of about one of their cycles
+    (so their gaps stay about two cycles), asked before each chunk; alone, half a second."""
+    from dflash2_mlx.backend.batch_job import MIN_CHUNK_SECONDS, Batching
+    from dflash2_mlx.backend.prefix_cache import PREFILL_CHUNK_SECONDS, Start
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    b = Batching(engine=None)
+    assert b.chunk_seconds() == PREFILL_CHUNK_SECONDS
+    for cycle, want in ((0.1, 0.1), (5.0, PREFILL_CHUNK_SECONDS), (1e-4, MIN_CHUNK_SECONDS)):
+        b.cycle_seconds = cycle
+        assert b.chunk_seconds() == want
+    model, _ = on_worker(load, str(pair[0]))
+
+    def chunks(seconds) -> list:
+        start = Start(make_prompt_cache(model), None)
+        sizes, before = [], 0
+        for _ in PrefixCache.advance_steps(start, long_ids(600), model, seconds=seconds):
+            sizes.append(start.tokens - before)
+            before = start.tokens
+        return sizes
+
+    asked = []
+    tiny = on_worker(chunks, lambda: asked.append(1) or 1e-9)
+    assert tiny[0] == 128 and set(tiny[1:-1]) == {16} and len(asked) == len(tiny)
+    assert on_worker(chunks, 1e9) == [128, 472]

@@ -21,7 +21,7 @@ from ..generate import detokenizer_after
 from ..loop.cycle import CycleStats
 from ..loop.target import UnsupportedTargetError, attach
 from .admission import DONE, Request
-from .prefix_cache import Start, recurrent, recurrent_state
+from .prefix_cache import PREFILL_CHUNK_SECONDS, Start, recurrent, recurrent_state
 from .reply import Reply
 from .settings import ModelSettings
 from .solo import Carry, solo_job
@@ -94,6 +94,7 @@ class Joined:
 # A prompt with more tokens than this to read is read a chunk a step before it joins (the
 # batch's cycles go on between), not at once inside the batch.
 READ_AT_ONCE = 256
+MIN_CHUNK_SECONDS = 0.02  # a chunk's least time: below it a chunk's fixed costs dominate
 
 
 @dataclass
@@ -117,6 +118,15 @@ class Batching:
         self.joins = []  # (request, push, carry) waiting to join the batch, under lock
         self.solo: Optional[Request] = None  # a batchable request alone until others come
         self.lock = threading.Lock()
+        self.cycle_seconds: Optional[float] = None  # the last cycle's time, while requests decode
+
+    def chunk_seconds(self) -> float:
+        """How long a chunk of a prompt being read takes: about one cycle of the requests
+        decoding meanwhile (each of their gaps is then about two cycles, not a cycle and a
+        long chunk), ``PREFILL_CHUNK_SECONDS`` with none decoding."""
+        if self.cycle_seconds is None:
+            return PREFILL_CHUNK_SECONDS
+        return min(PREFILL_CHUNK_SECONDS, max(MIN_CHUNK_SECONDS, self.cycle_seconds))
 
     def takes(self, request: Request) -> bool:
         """Whether the request joins the batch (see the engine's docstring for who does not)."""
@@ -196,7 +206,11 @@ class Batching:
                                      cached_tokens=j.start.reused, engine=j.decoding))
                         self._leave(gen, joined, uid)
                 if joined:
+                    tic = time.perf_counter()
                     self._cycle(gen, joined)
+                    self.cycle_seconds = time.perf_counter() - tic if joined else None
+                else:
+                    self.cycle_seconds = None
             except Exception as e:  # the batch is in an unknown state: its requests fail
                 log.exception("batched generation failed")
                 for uid in list(joined):
@@ -234,7 +248,7 @@ class Batching:
             self._refuse(request, push, "error", ex)
             return
         if len(ids) - 1 - start.tokens > READ_AT_ONCE and e.lockstep is None:
-            steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model)
+            steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=self.chunk_seconds)
             reading.append(Reading(request, push, carry, ids, start, steps))
             return
         self._enter(gen, joined, request, push, carry, ids, start)

@@ -295,13 +295,14 @@ class PrefixCache:
             pass
 
     @staticmethod
-    def advance_steps(start: Start, ids: Sequence[int], model, seconds: Optional[float] = None,
-                      first: int = 128, most: int = 2048):
+    def advance_steps(start: Start, ids: Sequence[int], model, seconds=None, first: int = 128, most: int = 2048):
         """``_advance`` a chunk at a time, yielding after each: chunks are sized from the last
-        one's time so that each takes about ``seconds`` (default ``PREFILL_CHUNK_SECONDS``;
-        from ``first`` tokens, at most ``most``), so a request's prefill takes turns with other
-        requests' steps and a request given up stops within one chunk."""
+        one's time so that each takes about ``seconds`` (default ``PREFILL_CHUNK_SECONDS``; a
+        function: asked before each chunk; from ``first`` tokens, at most ``most``), so a
+        request's prefill takes turns with other requests' steps and a request given up stops
+        within one chunk."""
         seconds = PREFILL_CHUNK_SECONDS if seconds is None else seconds
+        target_seconds = seconds if callable(seconds) else lambda: seconds
         target = attach(model, start.context.drafter) if start.context is not None else None
         step = first
         while start.tokens < len(ids):
@@ -315,7 +316,7 @@ class PrefixCache:
                 model(chunk, cache=start.cache)
             mx.eval([c.state for c in start.cache])
             took = time.perf_counter() - tic
-            step = max(32, min(most, int((end - start.tokens) * seconds / max(took, 1e-4))))
+            step = max(16, min(most, int((end - start.tokens) * target_seconds() / max(took, 1e-4))))
             start.tokens = end
             yield
 

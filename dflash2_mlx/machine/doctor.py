@@ -69,9 +69,35 @@ def kernel_report() -> list:
     return rows
 
 
-def run_doctor(echo=print) -> list:
-    """Print the kernel report (through ``echo``) and return it."""
+def verdict(rows: list) -> str:
+    """One line: whether this machine runs DFlash as it should, and what to do if not."""
+    problems = []
+    failed = [r for r in rows if not r["self_check"].startswith(("passed", "not run"))]
+    if failed:
+        names = sorted({r["kernel"] for r in failed})
+        problems.append(f"{len(failed)} kernel variant(s) failed their self-check and run their pure-MLX "
+                        f"twin ({', '.join(names)}): `doctor --verbose` shows which")
+    if blas_hint() is not None:
+        problems.append("OpenBLAS is not preloaded (see below)")
+    return "verdict: " + ("ready" if not problems else "attention: " + "; ".join(problems))
+
+
+def kernels_line(rows: list) -> str:
+    on_metal = sum(r["self_check"] == "passed" for r in rows)
+    if on_metal == len(rows):
+        return f"kernels: {len(rows)} variants on Metal, every self-check passed"
+    reason = rows[0]["self_check"].removeprefix("not run (").removesuffix(")") if rows else ""
+    if on_metal == 0 and all(r["self_check"].startswith("not run") for r in rows):
+        return f"kernels: {len(rows)} variants on their pure-MLX twins ({reason})"
+    return f"kernels: {on_metal} of {len(rows)} variants on Metal, the others on their pure-MLX twins"
+
+
+def run_doctor(echo=print, verbose: bool = False) -> list:
+    """Print the verdict, the platform, the BLAS and the kernels in one line each (every
+    kernel variant's path and self-check with ``verbose``), through ``echo``; return the
+    kernel report."""
     rows = kernel_report()
+    echo(verdict(rows))
     echo(f"mlx {mx.__version__}; Metal available: {mx.metal.is_available()}; "
          f"default device: {mx.default_device()}")
     if sys.platform.startswith("linux"):
@@ -79,7 +105,8 @@ def run_doctor(echo=print) -> list:
         hint = blas_hint()
         echo(f"BLAS: {blas} (loaded)" if blas else "BLAS: MLX's bundled reference BLAS"
              + (f"\n  {hint}" if hint else ""))
-    for r in rows:
+    echo(kernels_line(rows) + ("" if verbose else "; each variant with --verbose"))
+    for r in rows if verbose else ():
         echo(f"  {r['variant']}\n      path: {r['path']}  self-check: {r['self_check']}")
     return rows
 

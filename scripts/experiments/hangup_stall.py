@@ -5,7 +5,8 @@ whose user message is --words words of text (CPython's own docs, from the standa
 docstrings), the connection dropped after --hangup seconds; at once a short request ("Hi",
 max_tokens 3). Prints when the short request's reply came, when /health stopped reporting
 active requests, and then the same for a long prompt that is *not* given up (a short request
-sent while it is read: how long it waited).
+sent while it is read: how long it waited); then a streamed short reply's time to first token
+and gaps between its chunks, alone and while the long prompt is read.
 
     python scripts/experiments/hangup_stall.py [--words 4500] [--hangup 2]
 """
@@ -52,6 +53,24 @@ def short(base: str) -> float:
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
     r.raise_for_status()
     return time.perf_counter() - tic
+
+
+def streamed(base: str, tokens: int = 40) -> tuple:
+    """A streamed short reply (its end of sequence held off): time to its first content
+    chunk, and the gaps between its chunks."""
+    body = {"messages": [{"role": "user", "content": "Count from one to twenty in words."}],
+            "max_tokens": tokens, "stream": True, "logit_bias": {"2": -100}}
+    tic, times = time.perf_counter(), []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                times.append(time.perf_counter())
+    return times[0] - tic, [b - a for a, b in zip(times, times[1:])]
+
+
+def percentile(values, q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def idle_after(base: str, since: float) -> float:
@@ -109,6 +128,18 @@ def main():
         print(f"the same prompt ({r.json()['usage']['prompt_tokens']} tokens) answered: "
               f"{time.perf_counter() - tic:.1f} s; a short request sent {args.hangup:.0f} s into it "
               f"took {waited:.2f} s")
+        # 3. A streamed short reply alone, then while the long prompt is read.
+        first, gaps = streamed(base)
+        long = threading.Thread(target=lambda: httpx.post(
+            f"{base}/v1/chat/completions", timeout=900, json={**body, "stream": False}))
+        long.start()
+        time.sleep(args.hangup)
+        first_busy, gaps_busy = streamed(base)
+        long.join()
+        print(f"a streamed short reply alone: first token {first:.2f} s, gaps p50 {percentile(gaps, 0.5):.3f} s "
+              f"p95 {percentile(gaps, 0.95):.3f} s; while the long prompt is read: first token {first_busy:.2f} s, "
+              f"gaps p50 {percentile(gaps_busy, 0.5):.3f} s p95 {percentile(gaps_busy, 0.95):.3f} s "
+              f"({percentile(gaps_busy, 0.95) / percentile(gaps, 0.95):.2f}x)")
     finally:
         server.terminate()
         server.wait(timeout=30)
