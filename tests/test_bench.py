@@ -214,3 +214,21 @@ def test_timed_cycles_split_real_cycles_without_changing_them(tiny):
         ids, Timed(target, times, "a", "b", lambda i, c: i), Timed(drafter, times, "c", "d", lambda i, c: i),
         max_tokens=12, block_size=4)]
     assert wrapped == plain and times["b"] > 0 and times["d"] > 0
+
+
+def test_tree_rows_and_the_oracle_bound_them(tiny):
+    """Tree rows verify trees as deep as the drafter's block; the oracle row (T=0) is the
+    τ no tree of that depth over the top 16 can pass, and the chains' τ stay below it."""
+    root, model, tok = tiny
+    drafters = {"DFlash 2": load_drafter(str(root / "v2"))}
+    benches = {"alpha": ["the cat sat on", "a dog ran"]}
+    report = Bm.run_bench(model, tok, drafters, benches, temps=(0.0,), max_tokens=16, block_size=3,
+                          adaptive=False, copies=False, trees=(4, 16))
+    assert report["methods"] == ["plain", "DFlash 2", "DFlash 2 tree 4", "DFlash 2 tree 16"]
+    assert report["mismatches"] == []
+    assert set(report["oracle"]) == {"3", "5"}  # the chain's block and the drafter's
+    res = report["results"]["overall"]["T=0"]
+    assert res["DFlash 2"]["tau"] <= report["oracle"]["3"] + 1e-9
+    for n in (4, 16):
+        assert res[f"DFlash 2 tree {n}"]["tau"] <= report["oracle"]["5"] + 1e-9
+    assert "Oracle (T=0)" in Bm.markdown(report)

@@ -31,6 +31,7 @@ from ..machine.identity import describe
 from ..train.data import encode
 from .profile import cycle_breakdown, format_breakdown
 from .report import fmt, plot_acceptance, position_table, pyplot, save_figure, table, write_report as write_files
+from .evaluate import oracle_run
 from .runs import RunTally, run_dflash, run_plain
 
 PLAIN = "plain"
@@ -84,8 +85,8 @@ def dflash_runs(drafters: Dict[str, object], block_size: Optional[int], adaptive
                 raise ValueError(f"sweep block size {b} is impossible for the {label} drafter: "
                                  f"use 1..{drafters[label].config.block_size}")
             runs[f"{label} block {b}"] = (drafters[label], b, False, None)
-        for n in trees:
-            runs[f"{label} tree {n}"] = (drafters[label], runs[label][1], False, trees_check(n))
+        for n in trees:  # as deep as the drafter's block reaches
+            runs[f"{label} tree {n}"] = (drafters[label], drafters[label].config.block_size, False, trees_check(n))
         if adaptive:
             runs[f"{label} adaptive"] = (drafters[label], "auto", False, None)
         if copies:
@@ -136,6 +137,8 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
         report["cycle"] = {"method": label, "block_size": bs,
                            **cycle_breakdown(model, drafters[label], encode(tokenizer, first), bs)}
     tallies = {b: {t: {m: RunTally() for m in methods} for t in temp_keys} for b in benches}
+    oracles = _oracle_blocks(drafters, runs) if trees and 0.0 in temps else {}
+    tally = {b: [0, 0] for b in oracles}  # tokens, cycles
     tic = time.perf_counter()
     for bench, prompts in benches.items():
         for i, prompt in enumerate(prompts):
@@ -145,6 +148,11 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
                 plain = run_plain(model, tokenizer, ids, temp, max_tokens, run_seed)
                 tallies[bench][tk][PLAIN].add(plain)
                 line = [f"plain {_rate(plain)}"]
+                for b, drafter in oracles.items() if temp == 0 else ():
+                    tokens, cycles = oracle_run(attach(model, drafter), drafter, list(ids) + list(plain["tokens"]),
+                                                len(ids), b)
+                    tally[b][0] += tokens
+                    tally[b][1] += cycles
                 for name, (drafter, bs, lookup, tree) in runs.items():
                     run = run_dflash(model, tokenizer, drafter, ids, temp, max_tokens, bs, run_seed, lookup, tree)
                     tallies[bench][tk][name].add(run)
@@ -161,7 +169,15 @@ def run_bench(model, tokenizer, drafters: Dict[str, object], benches: Dict[str, 
                 say(f"[{bench} {i + 1}/{len(prompts)} {tk}] " + " | ".join(line))
     report["wall_seconds"] = time.perf_counter() - tic
     report["results"] = results(tallies, methods)
+    report["oracle"] = {str(b): t / c for b, (t, c) in tally.items() if c}
     return report
+
+
+def _oracle_blocks(drafters: Dict[str, object], runs: Dict[str, tuple]) -> Dict[int, object]:
+    """{block size: drafter} of the oracle rows beside trees: the last drafter's chain block
+    and its full block."""
+    label = list(drafters)[-1]
+    return {runs[label][1]: drafters[label], drafters[label].config.block_size: drafters[label]}
 
 
 def results(tallies: Dict[str, Dict[str, Dict[str, RunTally]]], methods: List[str]) -> dict:
@@ -212,6 +228,10 @@ def markdown(report: dict) -> str:
                    [[bench, m] + [c for t in temps for c in (fmt(res[t][m].get("tau")),
                                                              fmt(res[t][m]["speedup"]) + "×")]
                     for bench, res in report["results"].items() if bench != "overall" for m in methods])
+    if report.get("oracle"):
+        lines += ["", "Oracle (T=0): the τ of a run whose every block takes the true tokens while they are "
+                  "among the drafter's top 16 (a bound no selector or tree of that depth can pass): "
+                  + ", ".join(f"block {b} {tau:.2f}" for b, tau in report["oracle"].items()) + "."]
     for t in temps:
         cols = {m: overall[t][m].get("acceptance_by_position", []) for m in drafted}
         if any(cols.values()):

@@ -62,6 +62,16 @@ def loop_anchors(lead: np.ndarray) -> np.ndarray:
     return np.array(out, np.int64)
 
 
+def oracle_run(target: Target, drafter, seq: List[int], start: int, block_size: int, top_k: int = 16) -> tuple:
+    """(tokens, cycles) of the T=0 run an oracle selector would make on ``seq`` (prompt and
+    the target's greedy response from ``start``): every block's path the true tokens while
+    they are among the drafter's top ``top_k``, every anchor the one such a run visits."""
+    _, hitk, _ = offline_hits(target, drafter, seq, start, block_size, top_k)
+    lead = leading(hitk)
+    visited = loop_anchors(lead)
+    return int(lead[visited].sum()) + len(visited), len(visited)
+
+
 class RecallTally:
     """Offline counts (recall by position, the tau figures) that add up across prompts and
     benchmarks."""
