@@ -22,7 +22,11 @@ STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
 BUSY_RETRY_S = 120.0  # ... one measured while other processes used the machine, after this
 CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
-CALIBRATION = 6  # bumped when calibrate() measures differently: older cost files are remeasured
+CALIBRATION = 7  # bumped when calibrate() measures differently: older cost files are remeasured
+# A block measured dearer than a larger one by more than this is measured again (REDO_ROUNDS
+# rounds, interleaved with the larger ones); if it still is, it is a step of the machine's.
+STEP = 1.25
+REDO_ROUNDS = 4
 # Rows a copy may verify when the block size is chosen ("auto"): a copy is not bound to the
 # drafter's trained block, and a loop is accepted far; 15 is the widest verify the CPU split
 # computes in two halves (cpu_split.MAX_ROWS).  Calibrated at COPY_ROWS, interpolated between.
@@ -119,8 +123,10 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     below its cost, which sends adaptive decoding to blocks larger than pay.  Each point keeps
     its fastest of 3 to 8 rounds (more while ``budget_s`` lasts: one round overprices a
     multi-row pass against plain steps, which sends adaptive decoding to plain steps where
-    drafting pays), and a block never costs less than a smaller one: a burst of other work
-    on the machine cannot make a large block look cheap."""
+    drafting pays).  A block measured dearer than a larger one is measured again, interleaved
+    with the larger ones: a burst of other work goes away there, and what is left within
+    ``STEP`` is priced as the larger block (``steps_kept``); a step that holds (a GPU whose
+    quantized matmul tiles from 8 rows: 8 rows cheaper than 5) is kept."""
     tic, watch = time.perf_counter(), Watch()
     B, mask = drafter.config.block_size, drafter.config.mask_token_id
     short, long = CONTEXTS
@@ -170,8 +176,17 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
         now = time.perf_counter()
         if r + 1 >= rounds[0] and now + (now - start) - tic > budget_s:
             break
-    for step, b, n in sorted(points, key=lambda p: -p[1]):  # suffix minimum over block sizes
-        best[(step, b, n)] = min(v for (s, b2, n2), v in best.items() if s is step and n2 == n and b2 >= b)
+    for step, n in {(p[0], p[2]) for p in points}:
+        mine = {p[1]: p for p in points if p[0] is step and p[2] == n}
+        inverted = [b for b in mine if any(best[mine[b2]] * STEP < best[mine[b]] for b2 in mine if b2 > b)]
+        again = [mine[b2] for b2 in mine if inverted and b2 >= min(inverted)]
+        for _ in range(REDO_ROUNDS if inverted else 0):
+            for p in again:
+                per = PLAIN_RUN if p[0] is target_pass and p[1] == 1 else 1
+                best[p] = min(best[p], _timed(lambda: p[0](p[1], p[2])) / per)
+        kept = steps_kept({b: best[p] for b, p in mine.items()})
+        for b, p in mine.items():
+            best[p] = kept[b]
 
     def lines(step, blocks):
         slopes = {b: (max(0.0, (best[(step, b, long)] - best[(step, b, short)]) / (long - short)), 0.0)
@@ -184,6 +199,19 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
 
     return CostModel(lines(target_pass, [1] + rows), lines(drafter_step, sizes),
                      calibration_s=time.perf_counter() - tic, busy=watch.others())
+
+
+def steps_kept(costs: Dict[int, float]) -> Dict[int, float]:
+    """Costs by block size, each block priced at most as the cheapest larger one where it is
+    dearer by less than ``STEP`` (measurement noise on a curve that rises); a block dearer by
+    more is a step of the machine's own (kept: pricing 5 rows as 8 on a GPU that tiles from 8
+    would send the policy to blocks that do not pay)."""
+    out = dict(costs)
+    for b in sorted(costs, reverse=True):
+        larger = [out[b2] for b2 in costs if b2 > b]
+        if larger and min(larger) < out[b] <= STEP * min(larger):
+            out[b] = min(larger)
+    return out
 
 
 def shapes(module) -> list:
