@@ -19,7 +19,7 @@ from openai import OpenAI
 from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.backend.settings import SettingsStore
 from dflash2_mlx.loop.sampling import xtc_special_tokens
-from helpers import (CHAT, NO_EOS, all_four_replies, cut_inside_an_emoji, free_port, greedy_ids, metrics,
+from helpers import (CHAT, NO_EOS, all_four_replies, counters, cut_inside_an_emoji, free_port, greedy_ids, metrics,
                      serve_command, start_server, stop_server, wait_idle)
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
@@ -640,10 +640,13 @@ def test_tools_the_template_cannot_render_are_a_400(server):
 def test_model_listings_show_live_counters_and_no_paths(server):
     """/v1/models and Ollama's /api/ps show what a loaded model has served (requests, τ,
     tokens), and no listing or stats route shows where the drafter lies on the server."""
+    ask = {"model": "tiny", "messages": CHAT, "max_tokens": 6}
+    assert httpx.post(server["base"] + "/v1/chat/completions", timeout=60, json=ask).status_code == 200  # loaded
+    wait_idle(server)
     before = httpx.get(server["base"] + "/v1/models").json()["data"][0]["dflash"]["live"]["requests"]
-    r = httpx.post(server["base"] + "/v1/chat/completions", timeout=60,
-                   json={"model": "tiny", "messages": CHAT, "max_tokens": 6})
+    r = httpx.post(server["base"] + "/v1/chat/completions", timeout=60, json=ask)
     assert r.status_code == 200, r.text
+    wait_idle(server)
     live = httpx.get(server["base"] + "/v1/models").json()["data"][0]["dflash"]["live"]
     assert live["requests"] == before + 1 and live["generation_tokens"] > 0 and live["active_requests"] == 0
     ps = httpx.get(server["base"] + "/api/ps").json()["models"]
@@ -651,3 +654,16 @@ def test_model_listings_show_live_counters_and_no_paths(server):
     for route in ("/v1/models", "/api/ps", "/health", "/api/tags", "/metrics"):
         text = httpx.get(server["base"] + route).text
         assert str(server["drafter"].parent) not in text, route
+
+
+def test_a_scored_prompt_is_no_fallback_in_the_response_nor_in_metrics(server):
+    """One definition of "fallback": a short reply to a scored prompt (echo + logprobs) goes
+    on plain by design; neither its dflash block nor /metrics calls it a fallback."""
+    before = counters(metrics(server), "tiny")
+    r = httpx.post(server["base"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "abcd", "max_tokens": 1, "logprobs": 1, "echo": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["dflash"]["fallback"] is False
+    after = counters(wait_idle(server), "tiny")
+    assert after["plain_fallbacks"] == before["plain_fallbacks"]
+    assert after["adaptive_fallbacks"] == before["adaptive_fallbacks"]

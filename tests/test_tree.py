@@ -325,8 +325,9 @@ def test_doctor_prints_the_cost_curves(tmp_path, monkeypatch):
 
 
 def test_a_cost_file_is_exported_loaded_and_checked_against_the_pair(pairs, tmp_path, monkeypatch):
-    """Another machine's curve replayed: with the H200-like file a block of 5 verifies trees
-    of 32 here; a file of another pair, or no cost file at all, is a clear error."""
+    """Another machine's curve replayed: with the H200-like file a block of 5 tries trees of
+    8, 16 and 32 here (each priced within two chains there); a file of another pair is a
+    clear error."""
     from dflash2_mlx import adaptive
     from dflash2_mlx.adaptive import curves
 
@@ -344,7 +345,7 @@ def test_a_cost_file_is_exported_loaded_and_checked_against_the_pair(pairs, tmp_
     for last in d.stream_generate(model, tok, prompt, drafters[2], max_tokens=24, block_size=5,
                                   verify_mode="tree", lookup=False, cost_file=str(path)):
         pass
-    assert last.trees > 0 and last.tree_nodes == 32 * last.trees
+    assert last.trees >= 6 and last.tree_nodes >= 2 * (8 + 16 + 32)
     other_model, _, other = pairs["llama"]
     with pytest.raises(ValueError, match="was measured for another target and drafter"):
         d.generate(other_model, tok, prompt, other[2], max_tokens=4, cost_file=str(path))
@@ -399,3 +400,41 @@ def test_a_chat_through_one_prompt_cache_with_trees_is_mlx_lms(pairs):
                                                     prompt_cache=cache, verify_mode="tree", tree_budget=12,
                                                     lookup=False))
     assert got == want and max(trees) > 0
+
+
+def test_live_choice_tries_each_candidate_then_runs_the_fastest():
+    """``auto``'s live choice: the curve names the candidates (the chain, and the trees priced
+    within WORTH chains), each runs TRIES cycles, then the most tokens per second of their own
+    cycles wins; every REVISIT cycles the least recently run one runs again, so a tree whose
+    acceptance grew is found, and one that does not pay runs only then."""
+    from dflash2_mlx.adaptive import curves
+    from dflash2_mlx.tree.budget import REVISIT, TRIES
+
+    h200, m4 = curves.cost_model("h200-27b-4bit"), curves.cost_model("m4pro-shaped")
+    assert trees.Arms(h200, 5).candidates == [4, 8, 16, 32]
+    assert trees.Arms(m4, 8).candidates[0] == 7
+    arms = trees.Arms(h200, 5)
+    speed = {4: (2.0, 0.10), 8: (2.6, 0.11), 16: (3.0, 0.12), 32: (3.1, 0.20)}  # tokens, seconds a cycle
+    picks = []
+    for _ in range(4 * TRIES + 3 * REVISIT):
+        n = arms.choose()
+        picks.append(n)
+        arms.record(n, *speed[n])
+    assert picks[: 4 * TRIES] == [n for n in arms.candidates for _ in range(TRIES)]
+    steady = picks[4 * TRIES:]
+    assert steady.count(16) >= len(steady) - 3 and set(steady) - {16}  # the fastest, and revisits
+    for _ in range(6 * REVISIT):  # the text changes: the chain now accepts as much, for less
+        n = arms.choose()
+        arms.record(n, *((3.0, 0.10) if n == 4 else speed[n]))
+    assert max(arms.candidates, key=arms.rate) == 4
+
+
+def test_auto_trees_on_the_built_in_shaped_pair_are_plain_decodings(pairs):
+    """Greedy parity whatever the live choice runs (chains and trees of every size)."""
+    model, tok, drafters = pairs["qwen3"]
+    prompt = tok.encode("abcab dcba")
+    ref = plain_tokens(model, prompt, MAX_TOKENS)
+    from dflash2_mlx.adaptive import curves
+
+    out, stats = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, "auto", costs=curves.cost_model("h200-27b-4bit"))
+    assert out == ref and stats.trees > 0

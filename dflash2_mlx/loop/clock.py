@@ -1,6 +1,7 @@
 """When the cycles are timed for the adaptive policy (``policy.timed``), in one place."""
 
 import time
+from typing import Optional
 
 
 class Clock:
@@ -34,8 +35,12 @@ class Clock:
         """A cycle begins (its draft, or its copy)."""
         self.start = time.perf_counter()
 
-    def end(self, b: int, copy: bool):
-        """The cycle of block ``b`` (``copy``: a copy's) has learned what was accepted."""
-        if copy or self.drafted:
-            self.policy.timed(b, time.perf_counter() - self.start, copy)
+    def end(self, b: int, copy: bool, tree: bool = False) -> Optional[float]:
+        """The cycle of block ``b`` (``copy``: a copy's; ``tree``: one that verified a tree,
+        whose time is not the block's price) has learned what was accepted; its time, where
+        it is the cycle's own (None after plain steps or a copy)."""
+        took = time.perf_counter() - self.start if copy or self.drafted else None
+        if took is not None and not tree:
+            self.policy.timed(b, took, copy)
         self.drafted = not copy
+        return took

@@ -200,6 +200,7 @@ def speculative_generate_step(
     clock = Clock(policy)
     if tree_budget == "auto":
         costs = costs or getattr(policy, "costs", None) or adaptive.cost_model(target, drafter)
+    arms = {}  # block size -> the live choice of its trees' nodes (tree_budget "auto")
     try:
         yield seq.out(anchor, logprobs[0])
         while seq.emitted + plain.waiting < max_tokens:
@@ -224,11 +225,14 @@ def speculative_generate_step(
                 yield seq.out(*plain.take())
             clock.begin()
             nodes = 0 if choice.copy or not tree_budget else tree_budget
+            arm = None
             if nodes == "auto":
-                nodes = trees.choose(costs, choice.block, seq.history.size)
-                why = None if nodes > choice.block - 1 else "no tree costs as little as the chain here"
-                nodes = nodes if why is None else 0
-                seq.stats.chain_why = why
+                arm = arms.setdefault(choice.block, trees.Arms(costs, choice.block, seq.history.size))
+                nodes = arm.choose()
+                seq.stats.chain_why = (None if nodes > choice.block - 1 else
+                                       "no tree is priced within 2x the chain here" if len(arm.candidates) == 1
+                                       else "the chain gave the most tokens per second here")
+                nodes = 0 if seq.stats.chain_why else nodes
             if nodes:
                 seq.stats.chain_why = trees.fits(target, cache, nodes + 1)
                 nodes = 0 if seq.stats.chain_why else nodes
@@ -238,7 +242,9 @@ def speculative_generate_step(
                 new, accepted, logprobs = cycle(seq, seq.last, choice.block, copy if choice.copy else None)
             policy.record(choice.block, accepted, choice.copy)
             seq.stats.record(choice.block, accepted, choice.fallback, choice.copy, nodes)
-            clock.end(choice.block, choice.copy)
+            took = clock.end(choice.block, choice.copy, tree=bool(nodes))
+            if arm is not None and took is not None:
+                arm.record(nodes or choice.block - 1, accepted + 1, took)
             if copier is not None:
                 copier.extend(new)
             for i, token in enumerate(new):

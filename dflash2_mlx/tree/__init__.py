@@ -4,7 +4,8 @@
                     through the drafter's lattice, best first, up to a budget of nodes
     target_pass.py  one target pass over the tree (ancestor mask, positions by depth) and
                     the caches compacted to the accepted path; ``fits``: where a tree can run
-    budget.py       ``auto``: the largest tree that costs no more than the chain here
+    budget.py       ``auto``: the candidates the cost curve names, chosen among by the cycles'
+                    own tokens per second (``Arms``)
     accept.py       the lattice of a drafter pass; exact acceptance (greedy, or sampled from
                     the target's own distribution node by node)
 
@@ -15,9 +16,9 @@ The cycle that uses them is ``loop/cycle.py``'s ``tree_cycle``.
 MAX_BUDGET = 64
 
 from .accept import accept, lattice  # noqa: E402
-from .budget import check_budget, choose  # noqa: E402
+from .budget import Arms, check_budget, choose  # noqa: E402
 from .grow import Tree, grow  # noqa: E402
 from .target_pass import compact, fits, tree_pass  # noqa: E402
 
-__all__ = ["MAX_BUDGET", "Tree", "accept", "check_budget", "choose", "compact", "fits", "grow", "lattice",
+__all__ = ["MAX_BUDGET", "Arms", "Tree", "accept", "check_budget", "choose", "compact", "fits", "grow", "lattice",
            "tree_pass"]
