@@ -247,7 +247,11 @@ class Batching:
         except Exception as ex:
             self._refuse(request, push, "error", ex)
             return
-        if len(ids) - 1 - start.tokens > READ_AT_ONCE and e.lockstep is None:
+        # A long prompt is read a chunk a step; so is any prompt of a sliding-window target,
+        # whose prompt is kept once read (``PrefixCache.read``: the turn's end cannot serve it).
+        unread = len(ids) - 1 - start.tokens
+        windows = any(isinstance(c, RotatingKVCache) for c in start.cache)
+        if (unread > READ_AT_ONCE or (windows and unread > 0)) and e.lockstep is None:
             steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=self.chunk_seconds)
             reading.append(Reading(request, push, carry, ids, start, steps))
             return

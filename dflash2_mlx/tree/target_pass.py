@@ -128,11 +128,16 @@ def compact(cache: list, rows: int, path: List[int]):
         for c in cache:
             c.trim(rows - n)
         return
+    # The kept rows are gathered and evaluated first: written back from an expression of the
+    # cache itself, MLX could not update the cache in place and would copy all of it.
+    idx = mx.array(np.array(path, dtype=np.int32))
+    moves = []
     for c in cache:
         end = c._idx if isinstance(c, RotatingKVCache) else c.offset
-        start = end - rows
-        src = mx.array(np.array(path, dtype=np.int32) + start)
-        for group in (c.keys, c.values):
-            for a in group if isinstance(group, (tuple, list)) else [group]:
-                a[..., start : start + n, :] = a[..., src, :]
+        arrays = [a for group in (c.keys, c.values) for a in (group if isinstance(group, (tuple, list)) else [group])]
+        moves.append((c, end - rows, arrays, [mx.take(a[..., end - rows : end, :], idx, axis=2) for a in arrays]))
+    mx.eval([k for *_, kept in moves for k in kept])
+    for c, start, arrays, kept in moves:
+        for a, k in zip(arrays, kept):
+            a[..., start : start + n, :] = k
         c.trim(rows - n)
