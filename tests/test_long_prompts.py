@@ -144,20 +144,20 @@ def test_a_prompt_read_beside_decoding_requests_is_read_in_chunks_of_their_cycle
 
     b = Batching(engine=None)
     assert b.chunk_seconds() == PREFILL_CHUNK_SECONDS
-    for cycle, want in ((0.1, 0.1), (5.0, PREFILL_CHUNK_SECONDS), (1e-4, MIN_CHUNK_SECONDS)):
+    for cycle, want in ((0.1, 0.075), (5.0, PREFILL_CHUNK_SECONDS), (1e-4, MIN_CHUNK_SECONDS)):
         b.cycle_seconds = cycle
-        assert b.chunk_seconds() == want
+        assert b.chunk_seconds() == pytest.approx(want)
     model, _ = on_worker(load, str(pair[0]))
 
     def chunks(seconds) -> list:
         start = Start(make_prompt_cache(model), None)
         sizes, before = [], 0
-        for _ in PrefixCache.advance_steps(start, long_ids(600), model, seconds=seconds):
+        for _ in PrefixCache.advance_steps(start, long_ids(200), model, seconds=seconds):
             sizes.append(start.tokens - before)
             before = start.tokens
         return sizes
 
     asked = []
     tiny = on_worker(chunks, lambda: asked.append(1) or 1e-9)
-    assert tiny[0] == 128 and set(tiny[1:-1]) == {16} and len(asked) == len(tiny)
-    assert on_worker(chunks, 1e9) == [128, 472]
+    assert tiny[0] == 128 and set(tiny[1:]) == {1} and len(asked) == len(tiny)
+    assert on_worker(chunks, 1e9) == [128, 72]

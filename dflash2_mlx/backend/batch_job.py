@@ -95,6 +95,9 @@ class Joined:
 # batch's cycles go on between), not at once inside the batch.
 READ_AT_ONCE = 256
 MIN_CHUNK_SECONDS = 0.02  # a chunk's least time: below it a chunk's fixed costs dominate
+CHUNK_OF_CYCLE = 0.75  # a chunk read beside decoding requests, in their cycles
+PREFILL_SHARE = 0.1  # of the time, what chunks longer than a cycle take while requests decode
+FIRST_CHUNK = 8  # tokens of a prompt's first chunk in the batch: at a long context a token is slow
 
 
 @dataclass
@@ -119,14 +122,15 @@ class Batching:
         self.solo: Optional[Request] = None  # a batchable request alone until others come
         self.lock = threading.Lock()
         self.cycle_seconds: Optional[float] = None  # the last cycle's time, while requests decode
+        self.owed = 0.0  # seconds of cycles the decoding requests get before the next chunk
 
     def chunk_seconds(self) -> float:
-        """How long a chunk of a prompt being read takes: about one cycle of the requests
-        decoding meanwhile (each of their gaps is then about two cycles, not a cycle and a
+        """How long a chunk of a prompt being read takes: under one cycle of the requests
+        decoding meanwhile (each of their gaps is then under two cycles, not a cycle and a
         long chunk), ``PREFILL_CHUNK_SECONDS`` with none decoding."""
         if self.cycle_seconds is None:
             return PREFILL_CHUNK_SECONDS
-        return min(PREFILL_CHUNK_SECONDS, max(MIN_CHUNK_SECONDS, self.cycle_seconds))
+        return min(PREFILL_CHUNK_SECONDS, max(MIN_CHUNK_SECONDS, CHUNK_OF_CYCLE * self.cycle_seconds))
 
     def takes(self, request: Request) -> bool:
         """Whether the request joins the batch (see the engine's docstring for who does not)."""
@@ -208,9 +212,11 @@ class Batching:
                 if joined:
                     tic = time.perf_counter()
                     self._cycle(gen, joined)
-                    self.cycle_seconds = time.perf_counter() - tic if joined else None
+                    took = time.perf_counter() - tic
+                    self.cycle_seconds = took if joined else None
+                    self.owed = max(0.0, self.owed - took)
                 else:
-                    self.cycle_seconds = None
+                    self.cycle_seconds, self.owed = None, 0.0
             except Exception as e:  # the batch is in an unknown state: its requests fail
                 log.exception("batched generation failed")
                 for uid in list(joined):
@@ -252,21 +258,32 @@ class Batching:
         unread = len(ids) - 1 - start.tokens
         windows = any(isinstance(c, RotatingKVCache) for c in start.cache)
         if (unread > READ_AT_ONCE or (windows and unread > 0)) and e.lockstep is None:
-            steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=self.chunk_seconds)
+            steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=self.chunk_seconds,
+                                                 first=FIRST_CHUNK)
             reading.append(Reading(request, push, carry, ids, start, steps))
             return
         self._enter(gen, joined, request, push, carry, ids, start)
 
     def _read(self, gen, joined: Dict[int, Joined], reading: list):
         """One chunk of each prompt being read; a prompt read to its last token enters the
-        batch, a request given up meanwhile leaves before it."""
-        for r in list(reading):
+        batch, a request given up meanwhile leaves before it.  While requests decode, a chunk
+        that took longer than their cycle (at a long context one token does) is followed by
+        cycles only, until the chunks had ``PREFILL_SHARE`` of the time: their gaps stay a
+        cycle but in one step out of many."""
+        turn = list(reading)
+        if joined and self.owed > 0:
+            turn = [r for r in turn if r.request.aborted.is_set()]  # only those leaving
+        for r in turn:
             if r.request.aborted.is_set():
                 reading.remove(r)
                 self._refuse(r.request, r.push, "abort", Chunk(finish_reason="abort", prompt_tokens=len(r.request.ids)))
                 continue
+            tic = time.perf_counter()
             try:
                 next(r.steps)
+                took = time.perf_counter() - tic
+                if joined and self.cycle_seconds is not None and took > self.cycle_seconds:
+                    self.owed += took * (1 - PREFILL_SHARE) / PREFILL_SHARE
             except StopIteration:
                 reading.remove(r)
                 self.engine.prefix_cache.read(r.ids[:-1], r.start)

@@ -316,7 +316,7 @@ class PrefixCache:
                 model(chunk, cache=start.cache)
             mx.eval([c.state for c in start.cache])
             took = time.perf_counter() - tic
-            step = max(16, min(most, int((end - start.tokens) * target_seconds() / max(took, 1e-4))))
+            step = max(1, min(most, int((end - start.tokens) * target_seconds() / max(took, 1e-4))))
             start.tokens = end
             yield
 

@@ -55,10 +55,10 @@ def short(base: str) -> float:
     return time.perf_counter() - tic
 
 
-def streamed(base: str, tokens: int = 40) -> tuple:
+def streamed(base: str, tokens: int = 96) -> tuple:
     """A streamed short reply (its end of sequence held off): time to its first content
     chunk, and the gaps between its chunks."""
-    body = {"messages": [{"role": "user", "content": "Count from one to twenty in words."}],
+    body = {"messages": [{"role": "user", "content": "Count from one to fifty in words."}],
             "max_tokens": tokens, "stream": True, "logit_bias": {"2": -100}}
     tic, times = time.perf_counter(), []
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
