@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 
-def text_of(words: int) -> str:
+def text_of(words: int, skip: int = 0) -> str:
     out = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
@@ -36,9 +36,9 @@ def text_of(words: int) -> str:
                 doc = ast.get_docstring(node)
                 if doc:
                     out += doc.split()
-        if len(out) >= words:
+        if len(out) >= skip + words:
             break
-    return " ".join(out[:words])
+    return " ".join(out[skip : skip + words])
 
 
 def free_port() -> int:
@@ -128,10 +128,12 @@ def main():
         print(f"the same prompt ({r.json()['usage']['prompt_tokens']} tokens) answered: "
               f"{time.perf_counter() - tic:.1f} s; a short request sent {args.hangup:.0f} s into it "
               f"took {waited:.2f} s")
-        # 3. A streamed short reply alone, then while the long prompt is read.
+        # 3. A streamed short reply alone, then while another long prompt (none of it in the
+        # prefix cache) is read.
         first, gaps = streamed(base)
-        long = threading.Thread(target=lambda: httpx.post(
-            f"{base}/v1/chat/completions", timeout=900, json={**body, "stream": False}))
+        other = {**body, "stream": False,
+                 "messages": [{"role": "user", "content": f"Summarize this text.\n\n{text_of(args.words, args.words)}"}]}
+        long = threading.Thread(target=lambda: httpx.post(f"{base}/v1/chat/completions", timeout=900, json=other))
         long.start()
         time.sleep(args.hangup)
         first_busy, gaps_busy = streamed(base)
