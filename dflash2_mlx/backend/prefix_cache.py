@@ -316,7 +316,11 @@ class PrefixCache:
                 model(chunk, cache=start.cache)
             mx.eval([c.state for c in start.cache])
             took = time.perf_counter() - tic
-            step = max(1, min(most, int((end - start.tokens) * target_seconds() / max(took, 1e-4))))
+            target = target_seconds()
+            # Below 32 tokens a pass reads its weights for little; only a chunk bounded by
+            # other requests' cycles (less than the default time) goes below.
+            least = 32 if target >= PREFILL_CHUNK_SECONDS else 1
+            step = max(least, min(most, int((end - start.tokens) * target / max(took, 1e-4))))
             start.tokens = end
             yield
 
