@@ -316,11 +316,11 @@ class PrefixCache:
                 model(chunk, cache=start.cache)
             mx.eval([c.state for c in start.cache])
             took = time.perf_counter() - tic
-            target = target_seconds()
+            aim = target_seconds()
             # Below 32 tokens a pass reads its weights for little; only a chunk bounded by
             # other requests' cycles (less than the default time) goes below.
-            least = 32 if target >= PREFILL_CHUNK_SECONDS else 1
-            step = max(least, min(most, int((end - start.tokens) * target / max(took, 1e-4))))
+            least = 32 if aim >= PREFILL_CHUNK_SECONDS else 1
+            step = max(least, min(most, int((end - start.tokens) * aim / max(took, 1e-4))))
             start.tokens = end
             yield
 
