@@ -31,11 +31,11 @@ def _session_home(tmp_path_factory):
     patch.undo()
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "muse_glimmer", "gemma4"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "qwen3_5_moe", "muse_glimmer", "gemma4"])
 def cache_pair(request, tmp_path_factory):
     """A tiny target of each kind the prefix cache handles (attention only; hybrid, with
-    recurrent layers; sliding windows: muse_glimmer, gemma4 with its KV-shared layers), its
-    DFlash 2 drafter, and generate() on them (on the MLX worker)."""
+    recurrent layers: qwen3_5, the MoE qwen3_5_moe; sliding windows: muse_glimmer, gemma4 with
+    its KV-shared layers), its DFlash 2 drafter, and generate() on them (on the MLX worker)."""
     root = tmp_path_factory.mktemp(request.param)
     target = on_worker(make_target, root / "target", request.param, scale=4.0)
     drafter = on_worker(make_drafter, root / "drafter", target)
