@@ -114,7 +114,7 @@ def _timed(fn) -> float:
 
 
 def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = (3, 8),
-              sizes: Optional[List[int]] = None) -> CostModel:
+              sizes: Optional[List[int]] = None, redo: bool = True) -> CostModel:
     """Measure target passes over every block up to 8 rows (and B, COPY_ROWS for copies
     wider than B, and TREE_ROWS for trees) and drafter steps with blocks 2 and B (and ``sizes``) at a short context,
     1 and B rows at a long one, and fit ``base + slope * context`` per block size (others
@@ -126,7 +126,9 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     drafting pays).  A block measured dearer than a larger one is measured again, interleaved
     with the larger ones: a burst of other work goes away there, and what is left within
     ``STEP`` is priced as the larger block (``steps_kept``); a step that holds (a GPU whose
-    quantized matmul tiles from 8 rows: 8 rows cheaper than 5) is kept."""
+    quantized matmul tiles from 8 rows: 8 rows cheaper than 5) is kept.  Without ``redo``
+    nothing is measured again: the ranks of a split target calibrate together, pass for pass,
+    and one rank's timings must not add passes the others do not run."""
     tic, watch = time.perf_counter(), Watch()
     B, mask = drafter.config.block_size, drafter.config.mask_token_id
     short, long = CONTEXTS
@@ -180,7 +182,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
         mine = {p[1]: p for p in points if p[0] is step and p[2] == n}
         inverted = [b for b in mine if any(best[mine[b2]] * STEP < best[mine[b]] for b2 in mine if b2 > b)]
         again = [mine[b2] for b2 in mine if inverted and b2 >= min(inverted)]
-        for _ in range(REDO_ROUNDS if inverted else 0):
+        for _ in range(REDO_ROUNDS if inverted and redo else 0):
             for p in again:
                 per = PLAIN_RUN if p[0] is target_pass and p[1] == 1 else 1
                 best[p] = min(best[p], _timed(lambda: p[0](p[1], p[2])) / per)

@@ -104,6 +104,6 @@ def prepare_costs(target, drafter, group):
     costs = fresh_costs(key)
     missing = mx.distributed.all_sum(mx.array([int(costs is None)]), group=group).item()
     if missing:
-        costs = calibrate(target, drafter, budget_s=0.0, rounds=CALIBRATION_ROUNDS)
+        costs = calibrate(target, drafter, budget_s=0.0, rounds=CALIBRATION_ROUNDS, redo=False)
         store.write(cache_dir() / f"costs-{key}.json", costs.to_json())
     cost_models[key] = costs
