@@ -326,7 +326,7 @@ def test_doctor_prints_the_cost_curves(tmp_path, monkeypatch):
 
 def test_a_cost_file_is_exported_loaded_and_checked_against_the_pair(pairs, tmp_path, monkeypatch):
     """Another machine's curve replayed: with the H200-like file a block of 5 tries trees of
-    8, 16 and 32 here (each priced within two chains there); a file of another pair is a
+    8, 16 and 32 here (each priced within WORTH chains there); a file of another pair is a
     clear error."""
     from dflash2_mlx import adaptive
     from dflash2_mlx.adaptive import curves
@@ -345,7 +345,7 @@ def test_a_cost_file_is_exported_loaded_and_checked_against_the_pair(pairs, tmp_
     for last in d.stream_generate(model, tok, prompt, drafters[2], max_tokens=24, block_size=5,
                                   verify_mode="tree", lookup=False, cost_file=str(path)):
         pass
-    assert last.trees >= 6 and last.tree_nodes >= 2 * (8 + 16 + 32)
+    assert last.trees >= 3 and last.tree_nodes >= 8 + 16 + 32
     other_model, _, other = pairs["llama"]
     with pytest.raises(ValueError, match="was measured for another target and drafter"):
         d.generate(other_model, tok, prompt, other[2], max_tokens=4, cost_file=str(path))

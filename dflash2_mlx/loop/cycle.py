@@ -230,7 +230,7 @@ def speculative_generate_step(
                 arm = arms.setdefault(choice.block, trees.Arms(costs, choice.block, seq.history.size))
                 nodes = arm.choose()
                 seq.stats.chain_why = (None if nodes > choice.block - 1 else
-                                       "no tree is priced within 2x the chain here" if len(arm.candidates) == 1
+                                       "no tree is priced within 1.4x the chain here" if len(arm.candidates) == 1
                                        else "the chain gave the most tokens per second here")
                 nodes = 0 if seq.stats.chain_why else nodes
             if nodes:

@@ -17,9 +17,9 @@ from . import MAX_BUDGET
 
 SIZES = (8, 16, 32)  # the trees ``auto`` weighs beyond the chain (``adaptive.costs.TREE_ROWS``)
 SLACK = 1.05
-WORTH = 2.0  # a tree priced above this many chains would need to double acceptance: not tried
-TRIES = 2  # cycles each candidate runs before the choice
-REVISIT = 32  # every this many cycles, the candidate least recently run runs once
+WORTH = 1.4  # a tree priced above this many chains would need 40% more acceptance: not tried
+TRIES = 1  # cycles each candidate runs before the choice
+REVISIT = 64  # every this many cycles, the candidate least recently run runs once
 DECAY = 0.8  # the weight of a candidate's earlier cycles (its tokens and seconds) at each new one
 
 
