@@ -142,6 +142,7 @@ def test_ollama_chat_and_generate(server):
     assert (m["thinking"], m["content"]) == ("hm", "ok")
     lines = events(server, "/api/chat", body)
     assert "".join(x["message"].get("thinking", "") for x in lines) == "hm"
+    assert lines[0]["dflash"]["dflash"] is True and lines[-1]["dflash"]["cycles"] > 0  # first and last
     assert "thinking" not in post(server, "/api/chat", {**body, "think": False})["message"]
     g = post(server, "/api/generate", {"model": "t", "prompt": "hi", "stream": False, "think": True})
     assert (g["thinking"], g["response"]) == ("hm", "ok")
@@ -160,6 +161,7 @@ def test_responses_reasoning_items(server):
     assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == 3  # h m </think>
     streamed = events(server, "/v1/responses", body)
     assert "".join(e["delta"] for e in streamed if e["type"] == "response.reasoning_text.delta") == "hm"
+    assert streamed[0]["response"]["dflash"]["dflash"] is True and streamed[-1]["response"]["dflash"]["cycles"] > 0
     assert [i["type"] for i in streamed[-1]["response"]["output"]] == ["reasoning", "message"]
     # The reasoning item goes back with the conversation (left out of the prompt).
     again = post(server, "/v1/responses", {**body, "input": r["output"] + [{"role": "user", "content": "hi"}]})

@@ -193,11 +193,15 @@ def _add_chat(app, pool):
 
 
 async def _chat_lines(name, chunks, clock, logprobs: bool):
-    last = None
+    """The reply's lines; the first says how it is decoded (``dflash``), the last (closing)
+    carries the draft statistics."""
+    last, first = None, True
     async for last in chunks:
         entries = last.logprobs if logprobs else None
         if last.text or last.tool_calls or entries or last.reasoning:
-            yield _line(chat_line(name, last.text, last.tool_calls, entries, last.reasoning))
+            line = chat_line(name, last.text, last.tool_calls, entries, last.reasoning)
+            yield _line({**line, "dflash": last.engine} if first else line)
+            first = False
     if last is not None:
         yield _line({**chat_line(name, ""), **closing(last, clock.durations())})
 
@@ -259,13 +263,15 @@ def _context(engine, ids, text: str, last) -> list:
 
 
 async def _generate_lines(name, chunks, clock, body: GenerateRequest, engine, ids):
-    last, text, thought = None, [], []
+    last, text, thought, first = None, [], [], True
     async for last in chunks:
         entries = last.logprobs if body.logprobs else None
         text.append(last.text)
         thought.append(last.reasoning)
         if last.text or entries or last.reasoning:
-            yield _line(generate_line(name, last.text, entries, last.reasoning))
+            line = generate_line(name, last.text, entries, last.reasoning)
+            yield _line({**line, "dflash": last.engine} if first else line)
+            first = False
     if last is None:
         return
     out = {**generate_line(name, ""), **closing(last, clock.durations())}

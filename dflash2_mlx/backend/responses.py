@@ -218,8 +218,9 @@ def add_routes(app, pool):
             ids = await engine.off_loop(engine.encode_chat, template_messages(items, body.instructions), tools,
                                         body.template_kwargs())
             chunks = engine.stream_ids(ids, tools, chat=True, request_id=rid, **body.options())
-            reply = Reply(rid, body, store, items)
-            tell(request, engine.settings.engine(len(ids)))
+            decoding = engine.settings.engine(len(ids))
+            reply = Reply(rid, body, store, items, decoding)
+            tell(request, decoding)
             if body.stream:
                 return event_stream(reply.events(chunks), engine, rid)
             out = await until_disconnect(request, reply.whole(chunks), engine, rid)
@@ -245,8 +246,12 @@ class Reply:
     """One request's reply: its chunks into output items, as one body or as events, and the
     response kept for a later ``previous_response_id``."""
 
-    def __init__(self, rid: str, body: ResponsesRequest, store: ResponseStore, items: list):
+    def __init__(self, rid: str, body: ResponsesRequest, store: ResponseStore, items: list,
+                 decoding: Optional[dict] = None):
+        """``decoding``: how the request is decoded (``ModelSettings.engine``), told on the
+        stream's first event; the draft statistics come with its last."""
         self.rid, self.body, self.store, self.items = rid, body, store, items
+        self.decoding = decoding
         self.created = int(time.time())
         self.output = OutputBuilder(body.parallel_tool_calls, body.logprobs)
 
@@ -266,6 +271,8 @@ class Reply:
     async def events(self, chunks):
         """The stream's events (type, fields); a failure on the way is a response.failed."""
         start = response_body(self.rid, self.body, self.created, [], "in_progress")
+        if self.decoding is not None:
+            start["dflash"] = self.decoding
         yield "response.created", {"response": start}
         yield "response.in_progress", {"response": start}
         last = None
