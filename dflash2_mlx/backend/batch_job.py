@@ -21,7 +21,7 @@ from ..generate import detokenizer_after
 from ..loop.cycle import CycleStats
 from ..loop.target import UnsupportedTargetError, attach
 from .admission import DONE, Request
-from .prefix_cache import PREFILL_CHUNK_SECONDS, Start, recurrent, recurrent_state
+from .prefix_cache import PREFILL_CHUNK_SECONDS, Start, recurrent, recurrent_state, windowed
 from .reply import Reply
 from .settings import ModelSettings
 from .solo import Carry, solo_job
@@ -256,8 +256,7 @@ class Batching:
         # A long prompt is read a chunk a step; so is any prompt of a sliding-window target,
         # whose prompt is kept once read (``PrefixCache.read``: the turn's end cannot serve it).
         unread = len(ids) - 1 - start.tokens
-        windows = any(isinstance(c, RotatingKVCache) for c in start.cache)
-        if (unread > READ_AT_ONCE or (windows and unread > 0)) and e.lockstep is None:
+        if (unread > READ_AT_ONCE or (windowed(start.cache) and unread > 0)) and e.lockstep is None:
             steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=self.chunk_seconds,
                                                  first=FIRST_CHUNK)
             reading.append(Reading(request, push, carry, ids, start, steps))

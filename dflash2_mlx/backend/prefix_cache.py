@@ -83,12 +83,15 @@ def recurrent(cache) -> bool:
     return any(isinstance(c, ArraysCache) for c in cache)
 
 
+def windowed(cache) -> bool:
+    return any(isinstance(c, RotatingKVCache) for c in cache)
+
+
 def reusable(cache) -> bool:
     """Plain attention with recurrent caches, or with sliding-window ones (not both)."""
     known = all(type(c) in (KVCache, ArraysCache) or type(c).__name__ == "MambaCache"
                 or (type(c) is RotatingKVCache and c.keep == 0) for c in cache)
-    windows = any(type(c) is RotatingKVCache for c in cache)
-    return known and not (windows and recurrent(cache))
+    return known and not (windowed(cache) and recurrent(cache))
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -329,7 +332,7 @@ class PrefixCache:
         """A prompt's ``ids`` (all but its last token) were read into ``start``'s caches: where
         those keep only a window, the turn's end will not serve the same prompt again, so the
         prompt is kept now too (hybrid targets keep theirs in ``start``)."""
-        if any(isinstance(c, RotatingKVCache) for c in start.cache) and start.tokens == len(ids):
+        if windowed(start.cache) and start.tokens == len(ids):
             self.store(ids, start)
 
     def store(self, tokens: Sequence[int], start: Start):
