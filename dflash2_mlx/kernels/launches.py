@@ -142,3 +142,49 @@ def walk_launch(scores, temperature=0.0, uniforms=None) -> Launch:
         output_shapes=[(*batch, L), (*batch, L, K)],
         output_dtypes=[mx.int32, mx.float32],
     )
+
+
+EXACT_ROWS = 8  # verify rows per threadgroup of the exact product (metal/exact_rows.metal)
+EXACT_BITS = (4, 8)
+
+
+def exact_block(bits: int) -> int:
+    """The K step of MLX's one-row qmv_fast (lanes x values per lane), which the exact kernel
+    keeps; K must be a multiple of it (MLX's dispatch gate for qmv_fast)."""
+    return 32 * 2 * (32 // bits)
+
+
+def exact_qmv_unfit(x_shape, w_shape, dtype, scales_dtype, group_size: int, bits: int,
+                    mode: str = "affine", biases=True) -> str:
+    """Why the exact kernel cannot compute this product as MLX's one-row qmv_fast does
+    ("" when it can): MLX takes another one-row kernel for other shapes and modes."""
+    K, N = x_shape[-1], w_shape[0]
+    if mode != "affine" or not biases:
+        return f"mode {mode} (the kernel follows affine qmv_fast)"
+    if bits not in EXACT_BITS:
+        return f"{bits}-bit weights"
+    if len(w_shape) != 2:
+        return "batched weights"
+    if K % exact_block(bits) or N % 8 or exact_block(bits) % group_size:
+        return f"K {K} / N {N} / group {group_size} (MLX's one-row product is not qmv_fast there)"
+    if dtype != scales_dtype or dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return f"inputs {dtype} with scales {scales_dtype}"
+    return ""
+
+
+def exact_qmv_launch(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                     group_size: int, bits: int) -> Launch:
+    """x [M, K] (row-contiguous), w [N, K * bits / 32] -> y [M, N], each row as MLX's
+    one-row qmv_fast computes it."""
+    why = exact_qmv_unfit(x.shape, w.shape, x.dtype, scales.dtype, group_size, bits)
+    if why or x.ndim != 2:
+        raise ValueError(f"the exact kernel does not take {why or f'x of shape {x.shape}'}")
+    M, N = x.shape[0], w.shape[0]
+    return Launch(
+        inputs=[w, scales, biases, x],
+        template=[("T", x.dtype), ("GS", group_size), ("BITS", bits), ("R", EXACT_ROWS)],
+        grid=(32 * -(-M // EXACT_ROWS), 2 * (N // 8), 1),
+        threadgroup=(32, 2, 1),
+        output_shapes=[(M, N)],
+        output_dtypes=[x.dtype],
+    )

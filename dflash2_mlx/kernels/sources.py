@@ -14,6 +14,9 @@ from importlib import resources
 
 import mlx.core as mx
 
+# The drafter's kernels (self-checked against their twins, reported by doctor); the exact
+# verify kernel ("exact_qmv") is checked against MLX's own one-row product instead
+# (kernels/exact_rows.py).
 KERNEL_NAMES = ("dynamic_conv", "path_selector", "path_scores", "path_walk")
 
 
@@ -85,6 +88,12 @@ def _sources() -> dict:
             ),
             output_names=("scores",),
             source=sel["scores"],
+        ),
+        "exact_qmv": KernelSource(
+            name="dflash2_exact_qmv",
+            input_names=("w", "scales", "biases", "x"),
+            output_names=("y",),
+            source=read_sections("exact_rows.metal")["qmv_rows"],
         ),
         "path_walk": KernelSource(
             name="dflash2_path_walk",

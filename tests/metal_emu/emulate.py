@@ -63,7 +63,8 @@ EMULATED_ATTRIBUTES = {
     "dispatch_threads_per_threadgroup", "thread_index_in_threadgroup",
     "thread_position_in_grid", "thread_position_in_threadgroup",
     "threadgroup_position_in_grid", "threadgroups_per_grid", "threads_per_grid",
-    "threads_per_threadgroup",
+    "threads_per_threadgroup", "thread_index_in_simdgroup", "simdgroup_index_in_threadgroup",
+    "threads_per_simdgroup", "simdgroups_per_threadgroup",
 }
 
 
@@ -173,7 +174,7 @@ def _case_code(src, launch, i: int) -> str:
     args += [f"emu_t.{a}" for a, _ in used_attributes(src.source)]
     gx, gy, gz = launch.grid
     tx, ty, tz = _group_dims(launch)
-    barriers = "threadgroup_barrier" in src.source
+    barriers = any(f in src.header + src.source for f in ("threadgroup_barrier", "simd_sum"))
     kernel_text, tg_memory = emulate_threadgroup_arrays(metal_source(src, launch, metal=False))
     n_in, sizes = len(launch.inputs), _sizes(launch)
     threads = gx * gy * gz

@@ -23,9 +23,15 @@
 //   threadgroup all fail;
 // - the whole program after this header is compiled with Metal's missing C++ features
 //   poisoned (double, std::, new, exceptions, goto, virtual...), see EMU_POISON.
-// What it refuses: other uses of `threadgroup` (pointers, scalars, 2-D arrays) and
-// SIMD-group functions are not defined, so a kernel that uses them fails to compile here
-// instead of being emulated unfaithfully.
+// - simd_sum over a SIMD-group of 32 lanes (the threads of a threadgroup in index order, 32
+//   at a time): every thread of the threadgroup must reach the same simd_sum call (uniform
+//   control flow, as the kernels that use it have), then each lane gets the sum of its
+//   group's values added in a butterfly order (lane i and lane i ^ 16, then ^ 8, ^ 4, ^ 2,
+//   ^ 1), the same order for every kernel: two kernels whose lanes hold the same values
+//   get the same bits, as on the GPU, whose own reduction order is not documented;
+// What it refuses: other uses of `threadgroup` (pointers, scalars, 2-D arrays) and the
+// other SIMD-group functions are not defined, so a kernel that uses them fails to compile
+// here instead of being emulated unfaithfully.
 #pragma once
 
 #include <cmath>
@@ -169,6 +175,8 @@ inline uint max(uint a, uint b) { return a > b ? a : b; }
 inline uint min(uint a, uint b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
+template <typename T>
+inline T select(T a, T b, bool c) { return c ? b : a; }
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
@@ -176,6 +184,7 @@ inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) |
 // The default argument records the caller's line: the barrier's call site (two
 // barriers on one line count as one).
 void threadgroup_barrier(mem_flags, int line = __builtin_LINE());
+float simd_sum(float v, int line = __builtin_LINE());
 
 }  // namespace metal
 
@@ -192,6 +201,10 @@ struct EmuThread {
   uint3 threadgroups_per_grid;
   uint3 dispatch_threads_per_threadgroup;
   uint thread_index_in_threadgroup;
+  uint thread_index_in_simdgroup;
+  uint simdgroup_index_in_threadgroup;
+  uint threads_per_simdgroup;
+  uint simdgroups_per_threadgroup;
 };
 
 namespace emu_detail {
@@ -210,6 +223,7 @@ struct Fiber {
   bool done = false;
   bool at_barrier = false;
   int site_line = 0;
+  uint simd_calls = 0;  // simd_sum calls made, to match the lanes of one call
   Who who;
   EmuThread ids;
 };
@@ -338,6 +352,44 @@ inline void metal::threadgroup_barrier(mem_flags flags, int line) {
   f->site_line = line;
   swapcontext(&f->ctx, &g_scheduler);
   ++f->who.interval;  // released: every thread of the group reached this barrier
+}
+
+// ---- SIMD-group reductions ---------------------------------------------------------
+
+namespace emu_detail {
+// Each simd_sum call's lane values, by (threadgroup, SIMD-group, call), for one launch.
+struct SimdCall {
+  float v[32];
+  bool present[32];
+};
+inline std::map<uint64_t, SimdCall> g_simd;
+}  // namespace emu_detail
+
+inline float metal::simd_sum(float v, int line) {
+  using namespace emu_detail;
+  if (!g_fibers) {
+    std::fprintf(stderr, "emu: simd_sum outside a fiber launch\n");
+    std::abort();
+  }
+  Fiber* f = g_current;
+  const uint lane = f->ids.thread_index_in_simdgroup;
+  const uint64_t key = (uint64_t(f->who.group) << 40) |
+                       (uint64_t(f->ids.simdgroup_index_in_threadgroup) << 32) | f->simd_calls++;
+  SimdCall& call = g_simd[key];
+  call.v[lane] = v;
+  call.present[lane] = true;
+  f->at_barrier = true;
+  f->site_line = -line;  // a simd_sum site, never equal to a barrier's
+  swapcontext(&f->ctx, &g_scheduler);
+  // Released: every thread of the threadgroup reached this call, so every lane wrote.
+  float x[32];
+  for (int i = 0; i < 32; ++i) x[i] = call.present[i] ? call.v[i] : 0.0f;
+  for (int off = 16; off >= 1; off >>= 1) {
+    float y[32];
+    for (int i = 0; i < 32; ++i) y[i] = x[i] + x[i ^ off];
+    std::memcpy(x, y, sizeof x);
+  }
+  return x[lane];
 }
 
 // ---- threadgroup memory ----------------------------------------------------------
@@ -500,6 +552,7 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, bool tg_memory, unsig
   g_tg_kernel = tg_memory;
   g_error = nullptr;
   g_message[0] = 0;
+  g_simd.clear();
   RaceTracker races;
   races.start(outs, track_races);
   const uint64_t total = uint64_t(grid.x) * grid.y * grid.z;
@@ -525,6 +578,10 @@ inline int emu_launch(uint3 grid, uint3 tg, bool barriers, bool tg_memory, unsig
             t.threads_per_grid = grid;
             t.threadgroups_per_grid = groups;
             t.thread_index_in_threadgroup = (z * size.y + y) * size.x + x;
+            t.thread_index_in_simdgroup = t.thread_index_in_threadgroup % 32;
+            t.simdgroup_index_in_threadgroup = t.thread_index_in_threadgroup / 32;
+            t.threads_per_simdgroup = 32;
+            t.simdgroups_per_threadgroup = (size.x * size.y * size.z + 31) / 32;
             threads.push_back(t);
             group_of.push_back((gp.z * groups.y + gp.y) * groups.x + gp.x);
           }
