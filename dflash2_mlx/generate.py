@@ -287,7 +287,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
 def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams, limit, block_size,
                  verify_mode: str, seed: Optional[int], draft_window: Optional[int], draft_sink: int,
                  draft_context, cached_tokens: int, lookup: bool, prompt_cache: Optional[list] = None,
-                 one_row: bool = False, tree_budget=None, cost_file: Optional[str] = None, **shared):
+                 one_row: Optional[str] = None, tree_budget=None, cost_file: Optional[str] = None, **shared):
     """(the block-size policy, the DFlash cycles' (token, logprobs, from_draft, stats)).  A
     ``prompt_cache`` without a ``draft_context`` is mlx-lm's use of one: the drafter's context
     is the one kept beside it (``chat_context``), and the cache is settled when the steps end."""
@@ -312,26 +312,30 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams
         tree_budget=tree_budget, costs=costs, **shared)
 
 
-def exactness_of(model, exact: bool) -> Tuple[str, bool]:
-    """(what a response says of its exactness, whether verify rows must be one-row steps).
-    With ``exact`` the probe runs now if this machine has no verdict for the target yet."""
+def exactness_of(model, exact: bool) -> Tuple[str, Optional[str]]:
+    """(what a response says of its exactness, how verify rows are made exact: None where
+    passes are row-exact already or exactness was not asked, "pass" for a row-exact pass,
+    "steps" for one-row steps).  With ``exact`` the probe runs now if this machine has no
+    verdict for the target yet."""
     verdict = exactness.verdict(model) if exact else exactness.known(model)
     if verdict is None:
-        return f"{exactness.NOT_PROBED} (dflash2-mlx doctor --exact)", False
+        return f"{exactness.NOT_PROBED} (dflash2-mlx doctor --exact)", None
     if verdict.exact:
-        return "exact", False
+        return "exact", None
+    if exact and verdict.exact_pass:
+        return f"exact (row-exact verify pass: plain passes here are {verdict.describe()})", "pass"
     if exact:
-        return f"exact (one-row verify: passes here are {verdict.describe()})", True
-    return verdict.describe(), False
+        return f"exact (one-row verify: passes here are {verdict.describe()})", "steps"
+    return verdict.describe(), None
 
 
 def _block_policy(target, drafter: Drafter, block_size, verify_mode: str, greedy: bool, seed: Optional[int],
-                  one_row: bool = False, costs=None):
+                  one_row: Optional[str] = None, costs=None):
     """The block-size policy of one request (``adaptive.policy``).  "auto" measures the
     machine's costs on a pair's first request (``adaptive.calibrate``).  Sampling with a seed
     starts without the pair's history (same seed and costs, same text); greedy text is the
     target's whatever the block sizes, so it always uses it.  ``one_row``: verify rows are
-    one-row steps (exact=True here), priced so."""
+    made exact (exact=True here: a row-exact pass or one-row steps), priced as one-row steps."""
     auto = block_size == adaptive.AUTO or verify_mode == "adaptive"
     if one_row and auto:
         costs = (costs or adaptive.cost_model(target, drafter)).one_row_verify()

@@ -10,10 +10,12 @@ not with OpenBLAS (a different kernel for one row); on a GPU they were not (docs
 
 ``probe`` measures it on the real target: after the same prompt, a pass over b rows
 against the same b tokens decoded one row at a time, for each row count the loop may use.
-``verdict`` runs it once per (target, machine, backend) and keeps it beside the cost
-calibration.  ``exact=True`` (``generate``, ``--exact``) then makes each verify row a one-row
-step where the verdict is "not row-exact" (``Target.verify_pass``), and costs nothing where
-it is "exact".
+It also tries the row-exact pass (``exact_pass.py``: products and attention row by row in
+one pass) against the same one-row steps.  ``verdict`` runs it once per (target, machine,
+backend) and keeps it beside the cost calibration.  ``exact=True`` (``generate``,
+``--exact``) then costs nothing where the verdict is "exact"; elsewhere each verify pass is
+the row-exact pass where the probe found it bit-identical to one-row steps, else one-row
+steps (``Target.verify_pass``).
 """
 
 from dataclasses import asdict, dataclass, field
@@ -27,7 +29,7 @@ from ..adaptive import store
 from ..machine.identity import identity
 from .target import Target
 
-PROBE = 1  # bump when the probe changes what it measures
+PROBE = 2  # bump when the probe changes what it measures
 ROWS = tuple(range(2, 17))  # every block size the loop drafts (copies verify up to 16 rows)
 
 
@@ -45,6 +47,9 @@ class Verdict:
     rows_compared: int = 0
     dtype: str = ""
     device: str = ""
+    exact_pass: bool = False  # the row-exact pass gave one-row steps' bits for every row count
+    exact_pass_note: str = ""  # otherwise, what it found
+
 
     def describe(self) -> str:
         if self.exact:
@@ -107,7 +112,26 @@ def probe(model, rows: Iterable[int] = ROWS, prompt_tokens: int = 48, seed: int 
             for layer in c:
                 layer.trim(b)
     v.differing = diff_count / max(total, 1)
+    v.exact_pass, v.exact_pass_note = _try_exact_pass(verify, rest, one, rows, fresh, trimmable)
     return v
+
+
+def _try_exact_pass(verify: Target, rest, one, rows, fresh, trimmable) -> tuple:
+    """(whether the row-exact pass gave one-row steps' bits at every row count, what it found)."""
+    try:
+        for b in rows:
+            c = fresh()
+            many = verify.exact_pass(rest[:, :b], c)[0][0].astype(mx.float32)
+            d = float(mx.max(mx.abs(many - one[:b])).item())
+            if trimmable:
+                for layer in c:
+                    layer.trim(b)
+            if d:
+                return False, f"{b} rows: max |d| {d:.3g}"
+    except Exception as e:  # a family whose layers the pass cannot run row by row
+        return False, f"{type(e).__name__}: {e}"
+    return True, ""
+
 
 
 def _key(model) -> str:

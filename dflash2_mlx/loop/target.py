@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..machine import cpu_split
+from . import exact_pass
 
 
 class UnsupportedTargetError(ValueError):
@@ -69,9 +70,10 @@ class Target:
                 "DFlash needs an mlx-lm decoder with `layers` and `model.embed_tokens`"
             )
         self.layers = model.layers
-        # Exact verify (``exactness.py``): every row of a verify pass computed as a one-row
-        # decode step computes it, where this machine's multi-row passes round otherwise.
-        self.exact = False
+        # Exact verify (``exactness.py``), where this machine's multi-row passes round otherwise
+        # than one-row steps: None (off), "pass" (one pass whose rows are one-row steps',
+        # ``exact_pass.py``) or "steps" (one-row steps).
+        self.exact = None
         self._tree_depths = None  # tree passes: the node depths the ropes read (``tree/``)
         self.stage = getattr(model, "dflash_stage", None)  # a pipeline stage: this rank's layers
         depth = len(self.layers) if self.stage is None else self.stage.depth
@@ -150,14 +152,15 @@ class Target:
                     f"DFlash's verify passes would not match mlx-lm's one-token steps there; "
                     f"use a cache without max_kv_size, or verify_mode='off'")
 
-    def __call__(self, ids: mx.array, cache):
+    def __call__(self, ids: mx.array, cache, split: bool = True):
         """Logits [1, L, V] and tapped features [1, L, n * H] for ``ids`` [1, L] (pipeline:
-        the drafter's ``fc`` rows [1, L, H])."""
+        the drafter's ``fc`` rows [1, L, H]).  ``split``: the CPU's two-stream products may
+        run (``cpu_split``)."""
         if self.stage is not None:
             return self.staged_call(ids, cache)
         for slot, i in enumerate(self.layer_ids):
             object.__setattr__(self.layers[i], "_dflash_tap", (self._taps, slot))
-        with cpu_split.rows(ids.size) as split:
+        with cpu_split.rows(ids.size if split else 1) as split:
             logits = self.model(ids, cache=cache)
             features = mx.concatenate([t.astype(mx.float32) for t in self._taps], axis=-1)
             if split:
@@ -172,10 +175,18 @@ class Target:
         return (mx.concatenate([o[0] for o in outs], axis=1),
                 mx.concatenate([o[1] for o in outs], axis=1))
 
+    def exact_pass(self, ids: mx.array, cache):
+        """``__call__``'s result for ``ids`` [1, L] in one pass whose products and mixers
+        run row by row (``exact_pass.py``; the probe says whether that is one-row steps' bits)."""
+        exact_pass.install(self.model, self.layers)
+        with exact_pass.rows():
+            return self(ids, cache, split=False)
+
     def verify_pass(self, ids: mx.array, cache):
-        """A pass that verifies (or replays) ``ids``: one pass, or with ``exact`` one-row steps."""
+        """A pass that verifies (or replays) ``ids``: one pass, or with ``exact`` a row-exact
+        pass or one-row steps."""
         if self.exact and ids.shape[1] > 1:
-            return self.one_row_steps(ids, cache)
+            return self.exact_pass(ids, cache) if self.exact == "pass" else self.one_row_steps(ids, cache)
         return self(ids, cache)
 
     def staged_call(self, ids: mx.array, cache):
