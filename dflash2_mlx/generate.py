@@ -269,6 +269,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
         policy, tokens = _dflash_steps(model, drafter, ids, params, limit, block_size, verify_mode, seed,
                                       draft_window, draft_sink, draft_context, cached_tokens, lookup,
                                       one_row=one_row, tree_budget=tree_budget, cost_file=cost_file, **shared)
+        if not exact:  # a first use's calibration (just now) keeps a verdict beside it
+            exact_note = exactness_of(model, False)[0]
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
     # The prompt's time starts here: a first use's calibration and probe (above) are not its.
@@ -317,7 +319,7 @@ def exactness_of(model, exact: bool) -> Tuple[str, Optional[str]]:
     passes are row-exact already or exactness was not asked, "pass" for a row-exact pass,
     "steps" for one-row steps).  With ``exact`` the probe runs now if this machine has no
     verdict for the target yet."""
-    verdict = exactness.verdict(model) if exact else exactness.known(model)
+    verdict = exactness.verdict(model) if exact else exactness.known(model)  # probes the pass if untried
     if verdict is None:
         return f"{exactness.NOT_PROBED} (dflash2-mlx doctor --exact)", None
     if verdict.exact:

@@ -84,7 +84,7 @@ def test_verdict_is_measured_once_and_kept(pair, tmp_path, monkeypatch):
     assert exactness.known(model) is None
     calls = []
     real = exactness.probe
-    monkeypatch.setattr(exactness, "probe", lambda m: calls.append(1) or real(m, rows=[2, 3]))
+    monkeypatch.setattr(exactness, "probe", lambda m, **kw: calls.append(1) or real(m, rows=[2, 3], **kw))
     first = exactness.verdict(model)
     again = exactness.verdict(model)
     assert calls == [1] and again == first == exactness.known(model)
@@ -276,3 +276,21 @@ def test_a_family_the_pass_cannot_take_apart_falls_back_to_one_row_steps(tmp_pat
     monkeypatch.setattr(exactness, "verdict", lambda m: v)
     v.exact = False
     assert exactness_of(model, True)[1] == "steps"
+
+
+def test_a_first_calibration_probes_and_the_first_exact_run_tries_the_pass(tmp_path, monkeypatch):
+    """The verdict is kept beside the cost calibration at a pair's first use (replies then say
+    it without being asked); the row-exact pass is tried when exact=True first needs it."""
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    make_target(tmp_path / "t", "qwen3", alphabet="abcd", seed=3)
+    make_drafter(tmp_path / "d", tmp_path / "t", version=2, seed=11)
+    model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
+    split_sums(model)
+    assert exactness.known(model) is None
+    out = list(d.stream_generate(model, tok, tok.encode("abcab"), drafter, max_tokens=8, block_size="auto"))
+    first = exactness.known(model)
+    assert first is not None and not first.exact and first.exact_pass is None
+    assert out[-1].exactness.startswith("not row-exact on this machine")
+    out = list(d.stream_generate(model, tok, tok.encode("abcab"), drafter, max_tokens=8, exact=True))
+    assert exactness.known(model).exact_pass is True
+    assert out[-1].exactness.startswith("exact (row-exact verify pass")

@@ -254,7 +254,7 @@ def measured(target, drafter, path) -> CostModel:
     this process for BUSY_RETRY_S and not kept: a busy machine's prices would send adaptive
     decoding to plain steps (or trees to chains) for days."""
     # Said, not silent: the first request on a machine waits for it (seconds).
-    print("dflash2-mlx: first use: timing this pair's passes on this machine (once; "
+    print("dflash2-mlx: first use: timing this pair's passes and probing its rows on this machine (once; "
           "`dflash2-mlx doctor --recalibrate` measures again) ...", end=" ", file=sys.stderr, flush=True)
     tic = time.perf_counter()
     costs = calibrate(target, drafter)
@@ -267,6 +267,10 @@ def measured(target, drafter, path) -> CostModel:
               file=sys.stderr, flush=True)
         return costs
     store.write(path, costs.to_json())
+    # Kept beside the calibration: whether verify rows are row-exact here (loop/exactness.py).
+    from ..loop import exactness
+
+    exactness.at_first_use(target)
     print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
     return costs
 

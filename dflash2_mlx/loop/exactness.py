@@ -47,8 +47,10 @@ class Verdict:
     rows_compared: int = 0
     dtype: str = ""
     device: str = ""
-    exact_pass: bool = False  # the row-exact pass gave one-row steps' bits for every row count
-    exact_pass_note: str = ""  # otherwise, what it found
+    # Whether the row-exact pass gave one-row steps' bits for every row count (None: not
+    # tried yet; a first use's probe leaves it to the first exact=True), else what it found.
+    exact_pass: Optional[bool] = None
+    exact_pass_note: str = ""
 
 
     def describe(self) -> str:
@@ -61,7 +63,8 @@ class Verdict:
         return asdict(self)
 
 
-def probe(model, rows: Iterable[int] = ROWS, prompt_tokens: int = 48, seed: int = 0) -> Verdict:
+def probe(model, rows: Iterable[int] = ROWS, prompt_tokens: int = 48, seed: int = 0,
+          try_pass: bool = True) -> Verdict:
     """Verify passes over each of ``rows`` tokens against one-row steps, on ``model``.  One
     step's logits depend only on the tokens before it, so the one-row steps run once, over
     the most rows, and every pass is compared with the first rows of them."""
@@ -112,7 +115,8 @@ def probe(model, rows: Iterable[int] = ROWS, prompt_tokens: int = 48, seed: int 
             for layer in c:
                 layer.trim(b)
     v.differing = diff_count / max(total, 1)
-    v.exact_pass, v.exact_pass_note = _try_exact_pass(verify, rest, one, rows, fresh, trimmable)
+    if try_pass:
+        v.exact_pass, v.exact_pass_note = _try_exact_pass(verify, rest, one, rows, fresh, trimmable)
     return v
 
 
@@ -140,19 +144,27 @@ def _key(model) -> str:
     return store.digest({"probe": PROBE, "target": shapes(model), "machine": identity()})
 
 
-def verdict(model, refresh: bool = False) -> Verdict:
+def verdict(model, refresh: bool = False, try_pass: bool = True) -> Verdict:
     """The probe's verdict for ``model`` on this machine, measured once and kept under the
-    cache home (``adaptive/exact-*.json``) as the cost calibration is."""
+    cache home (``adaptive/exact-*.json``) as the cost calibration is (at a pair's first
+    calibration, without ``try_pass``: the row-exact pass is tried when exact=True first
+    needs it)."""
     path = store.cache_dir() / f"exact-{_key(model)}.json"
-    data = None if refresh else store.read(path)
-    if data is not None:
-        try:
-            return Verdict(**data)
-        except TypeError:
-            pass  # an older file: measure again
-    v = probe(model)
+    kept = None if refresh else known(model)
+    if kept is not None and (kept.exact or kept.exact_pass is not None or not try_pass):
+        return kept
+    v = probe(model, try_pass=try_pass)
     store.write(path, v.to_json())
     return v
+
+
+def at_first_use(target) -> None:
+    """Probe ``target``'s model beside its first cost calibration, unless it was already
+    (a one-machine target: a split target's ranks would have to probe in step)."""
+    from ..distributed import group_of
+
+    if target.stage is None and group_of(target.model) is None and known(target.model) is None:
+        verdict(target.model, try_pass=False)
 
 
 NOT_PROBED = "not probed on this machine"

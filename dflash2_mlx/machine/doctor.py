@@ -141,8 +141,31 @@ def exactness_report(model: Optional[str] = None, measure: bool = False, echo=pr
     for v in verdicts:
         echo(f"verify rows ({v.dtype} target, rows {v.rows[0]}..{v.rows[-1]}, {v.device}): {v.describe()}"
              + ("" if v.exact else f"; {v.differing:.0%} of logits differ: greedy output is plain "
-                "decoding's with --exact (one-row verify), else it may leave it at a near-tie"))
+                f"decoding's with --exact ({_exact_way(v)}), else it may leave it at a near-tie"))
+    echo(exact_kernel_line())
     return verdicts
+
+
+def exact_kernel_line() -> str:
+    """Where the row-exact pass's quantized products run (``kernels/exact_rows.py``)."""
+    from ..kernels import exact_rows
+
+    if kernels.reference_forced() or not kernels.metal_usable():
+        return ("exact verify kernel: not used here (no Metal default device): a row-exact pass "
+                "takes MLX's own one-row product per row")
+    if not exact_rows.checked:
+        return "exact verify kernel: on Metal, each variant checked against MLX's one-row product on first use"
+    return "exact verify kernel: " + ", ".join(
+        f"{dtype.split('.')[-1]} group {gs} {bits}-bit {'passed' if ok else 'differs: one-row products'}"
+        for (dtype, gs, bits), ok in exact_rows.checked.items())
+
+
+def _exact_way(v) -> str:
+    if v.exact_pass is None:
+        return "the row-exact pass is tried on the first --exact run"
+    if v.exact_pass:
+        return "a row-exact verify pass"
+    return "one-row verify" + (f"; the row-exact pass: {v.exact_pass_note}" if v.exact_pass_note else "")
 
 
 def costs_report(echo=print) -> list:

@@ -1,14 +1,16 @@
 """What does exact=True cost on this machine, and does it change the text?
 
 The built-in pair, prompts of the five benchmark sets, greedy, --max-tokens each: plain
-mlx-lm decoding, DFlash 2 by default and DFlash 2 with exact=True, side by side in one
-process (each prompt runs the three in turn, after one warm-up prompt). Prints the machine's
-exactness verdict, tokens per second of each and how many outputs equal plain decoding's.
+mlx-lm decoding, DFlash 2 by default, DFlash 2 with exact=True (the row-exact pass where the
+probe found it exact) and with exact=True forced to one-row steps, side by side in one process
+(each prompt runs the four in turn, after one warm-up prompt). Prints the machine's exactness
+verdict, tokens per second of each and how many outputs equal plain decoding's.
 
     python scripts/experiments/exact_cost.py [--prompts 10] [--max-tokens 64] [--block-size auto]
 """
 
 import argparse
+import dataclasses
 import time
 
 
@@ -26,15 +28,20 @@ def main():
     args = ap.parse_args()
     block = args.block_size if args.block_size == "auto" else int(args.block_size)
     model, tok, drafter = load()
-    print("verdict:", exactness.verdict(model).describe())
+    verdict = exactness.verdict(model)
+    print("verdict:", verdict.describe(), "| row-exact pass:", verdict.exact_pass or verdict.exact_pass_note)
+    measured = exactness.verdict
     sets = [read_prompts(p, limit=args.prompts) for p in sorted(SHIPPED_BENCH_DIR.glob("*.jsonl"))]
     prompts = [ps[i][1] for i in range(args.prompts) for ps in sets if i < len(ps)][: args.prompts + 1]
     runs = {"plain": dict(), "default": dict(drafter=drafter, block_size=block),
-            "exact": dict(drafter=drafter, block_size=block, exact=True)}
+            "exact": dict(drafter=drafter, block_size=block, exact=True),
+            "steps": dict(drafter=drafter, block_size=block, exact=True)}
     secs, toks, same = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0), dict.fromkeys(runs, 0)
     for i, p in enumerate(prompts):
         out = {}
         for name, kw in runs.items():
+            # "steps": the same verdict but for the pass, so exact=True takes one-row steps.
+            exactness.verdict = (lambda m: dataclasses.replace(verdict, exact_pass=False)) if name == "steps" else measured
             tic = time.perf_counter()
             out[name] = [r.token for r in stream_generate(model, tok, p, max_tokens=args.max_tokens, **kw)]
             if i:  # the first prompt warms up (and calibrates)
