@@ -83,7 +83,7 @@ def generate(
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill pass."),
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, help="Bound the target's KV cache to this many tokens (a rotating cache), as mlx_lm.generate does; plain decoding only (--verify-mode off)."),
     prompt_cache_file: Optional[Path] = typer.Option(None, "--prompt-cache-file", help="A prompt cache saved by mlx_lm.cache_prompt: the prompt continues after its tokens, as in mlx_lm.generate (the model defaults to the one that made it)."),
-    exact: bool = typer.Option(False, "--exact", help="Compute every verify row as the target's own one-row decode step does, so greedy output is plain decoding's bit for bit on this machine (free where its verify passes are already row-exact: the probe, run once; else each verify row is a one-row step)."),
+    exact: bool = typer.Option(False, "--exact", help="Compute every verify row as the target's own one-row decode step does, so greedy output is plain decoding's bit for bit on this machine (free where its verify passes are already row-exact: the probe, run once; else one verify pass whose rows run as one-row steps run, where the probe found that exact, or one-row steps)."),
     verbose: bool = typer.Option(True, "--verbose/--quiet", help="Print the stats line after the text."),
     distributed: Optional[str] = typer.Option(None, "--distributed", help="Split the target over the mx.distributed ranks this runs as (under mlx.launch): 'tensor' (mlx-lm's shard: heads and MLP split over the ranks) or 'pipeline' (layer ranges). Rank 0 prints; every rank needs the same model files."),
 ):

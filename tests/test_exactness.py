@@ -209,7 +209,8 @@ def test_one_row_verify_prices_a_pass_as_its_rows():
 
 def test_every_reply_tells_its_verify_rows(tmp_path, monkeypatch):
     """The engine's replies (every API's dflash block) say whether verify rows are exact here:
-    "not probed" until the probe has run, then its verdict."""
+    the verdict a first use's calibration keeps (a fixed block size calibrates nothing: "not
+    probed" until the probe has run)."""
     import asyncio
 
     from dflash2_mlx.backend.engine import Engine
@@ -221,7 +222,8 @@ def test_every_reply_tells_its_verify_rows(tmp_path, monkeypatch):
     drafter = on_worker(make_drafter, tmp_path / "d", target)
 
     async def scenario():
-        e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter)), model_id="tiny")
+        e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter), dflash_block_size=4),
+                   model_id="tiny")
         await e.start()
         try:
             first = [c async for c in e.stream_generate("abc", max_tokens=4)][-1]
@@ -232,7 +234,7 @@ def test_every_reply_tells_its_verify_rows(tmp_path, monkeypatch):
             await e.stop()
 
     first, verdict, second = asyncio.run(scenario())
-    assert first.engine["verify_rows"] == "not probed on this machine"
+    assert first.engine["verify_rows"].startswith("not probed on this machine")
     assert second.engine["verify_rows"] == verdict.describe()
 
 
@@ -287,6 +289,9 @@ def test_a_first_calibration_probes_and_the_first_exact_run_tries_the_pass(tmp_p
     model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
     split_sums(model)
     assert exactness.known(model) is None
+    from dflash2_mlx.adaptive import costs
+
+    monkeypatch.setattr(costs, "cost_models", {})  # a first use in this process too
     out = list(d.stream_generate(model, tok, tok.encode("abcab"), drafter, max_tokens=8, block_size="auto"))
     first = exactness.known(model)
     assert first is not None and not first.exact and first.exact_pass is None
@@ -294,3 +299,42 @@ def test_a_first_calibration_probes_and_the_first_exact_run_tries_the_pass(tmp_p
     out = list(d.stream_generate(model, tok, tok.encode("abcab"), drafter, max_tokens=8, exact=True))
     assert exactness.known(model).exact_pass is True
     assert out[-1].exactness.startswith("exact (row-exact verify pass")
+
+
+def test_the_exact_setting_serves_plain_decodings_text_and_says_so(tmp_path, monkeypatch):
+    """``dflash_exact``: replies decoded with exact=True (alone, beside the batch), their
+    dflash block saying "exact": true and how, with plain decoding's greedy text."""
+    import asyncio
+
+    from dflash2_mlx.backend.engine import Engine
+    from dflash2_mlx.backend.settings import ModelSettings, SettingsError, check_value
+    from tiny_models import on_worker
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    target = on_worker(make_target, tmp_path / "t", "qwen3", alphabet="abcd", seed=3)
+    drafter = on_worker(make_drafter, tmp_path / "d", target, version=2, seed=11)
+
+    async def scenario():
+        e = Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter), dflash_exact=True,
+                                         dflash_block_size=4), model_id="tiny")
+        await e.start()
+        try:
+            replies = await asyncio.gather(*[_collect(e, p) for p in ("abcab", "dcba")])
+            return replies, e.model, e.tokenizer
+        finally:
+            await e.stop()
+
+    async def _collect(e, prompt):
+        return [c async for c in e.stream_generate(prompt, max_tokens=12, temperature=0.0)]
+
+    replies, model, tok = asyncio.run(scenario())
+    for prompt, chunks in zip(("abcab", "dcba"), replies):
+        last = chunks[-1]
+        assert last.engine["exact"] is True
+        v = exactness.known(model)
+        assert last.engine["verify_rows"] == f"exact (row-exact verify pass: plain passes here are {v.describe()})"
+        plain = plain_tokens(model, tok.encode(prompt), 12)
+        ends = [i for i, t in enumerate(plain) if t in tok.eos_token_ids]
+        assert "".join(c.text for c in chunks) == tok.decode(plain[: ends[0] if ends else 12])
+    with pytest.raises(SettingsError, match="dflash_exact"):
+        check_value("dflash_exact", "yes please")

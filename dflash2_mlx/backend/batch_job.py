@@ -138,7 +138,7 @@ class Batching:
         mode = s.verify_mode(len(request.ids))
         if not e.batchable or e.max_running() < 2 or mode == "off":
             return False
-        if request.options.scoring:  # scoring: solo
+        if request.options.scoring or s.dflash_exact:  # scoring, and exact verify rows: solo
             return False
         # A seeded sampled request gets its single-stream text: in the batch only where the
         # batch drafts and copies exactly as its single stream would (a fixed block size).

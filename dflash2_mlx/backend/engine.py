@@ -14,7 +14,7 @@ that finds nothing running starts as a single stream and hands over to the batch
 another one asks to join (``solo.py``). Requests the batch cannot serve run as their own
 stepped job next to it, one token a step, each with its own random key: plain decoding (no
 drafter, ``dflash_max_ctx``), targets the batch refuses (quantized caches), ``max_batch`` 1
-(the one-at-a-time server), and seeded sampled requests with adaptive block sizes (the
+(the one-at-a-time server), ``dflash_exact`` (the batch has no exact mode), and seeded sampled requests with adaptive block sizes (the
 batch's block sizes depend on its other sequences, and a seed promises its single-stream
 text). Both paths put their text through the same reply pipeline (``reply.py``) and hand
 the caller ``Chunk``s and ``Completion``s (``wire.py``).

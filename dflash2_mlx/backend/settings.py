@@ -74,6 +74,7 @@ FIELDS = {
     "dflash_max_ctx": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = no limit)"),
     "dflash_draft_window": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = the whole context)"),
     "dflash_copies": (_bool, "true or false"),
+    "dflash_exact": (_bool, "true or false"),
     "dflash_draft_window_size": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = the whole context)"),
     "dflash_draft_sink_size": (lambda v: _int(v, lo=0), "an integer >= 0"),
     "dflash_in_memory_cache": (_bool, "true or false"),
@@ -134,6 +135,9 @@ class ModelSettings:
     dflash_max_ctx: Optional[int] = None
     dflash_draft_window: Optional[int] = None  # context rows a draft reads (the latest)
     dflash_copies: bool = True  # copy where the text repeats itself (lookup.py); False: always draft
+    # Verify rows bit-identical to one-row decode steps (generate's exact=True): each request
+    # then decodes alone, as the batch has no exact mode.
+    dflash_exact: bool = False
     # oMLX's names: the draft window (dflash_draft_window wins when both are set), the first
     # context rows every draft reads besides it, and the prefix cache (prefix_cache_gb wins).
     dflash_draft_window_size: Optional[int] = None
@@ -272,6 +276,8 @@ class ModelSettings:
                "block_size": block}
         if mode in ("tree", "ddtree"):
             out["tree_budget"] = self.dflash_tree_budget or "auto"
+        if mode != "off" and self.dflash_exact:
+            out["exact"] = True
         return out
 
     def check_drafter(self, model_path=None):

@@ -175,6 +175,7 @@ class SoloStream:
             verify_mode=self.mode, seed=g.seed, draft_window=s.draft_window, draft_sink=s.draft_sink,
             prompt_cache=self.start.cache, draft_context=self.start.context,
             cached_tokens=self.start.tokens, lookup=s.dflash_copies, continues=request.continues,
+            exact=s.dflash_exact,
             tree_budget=(s.dflash_tree_budget or "auto") if self.mode in ("tree", "ddtree") else None)
 
     def _relay(self, gen):
@@ -183,6 +184,8 @@ class SoloStream:
         e, request, reply, push = self.engine, self.request, self.reply, self.push
         for last in gen:
             self.last, self.n = last, last.generation_tokens
+            if "verify_rows" in self.decoding and last.exactness:  # what it got (a first use probes)
+                self.decoding = {**self.decoding, "verify_rows": last.exactness}
             self.first = self.first or time.perf_counter()
             self.emitted.append(last.token)
             e.prefix_cache.note(self.start, self.n_prompt + self.n)
