@@ -667,6 +667,41 @@ def test_timing_is_kept_for_measured_costs_and_the_next_process(pair, tmp_path, 
         adaptive.timings.clear()
 
 
+def test_a_calibration_that_live_cycles_keep_disagreeing_with_is_measured_again(tmp_path, monkeypatch, capsys):
+    """Cycles that keep costing 2x their prices for DISAGREE_CYCLES cycles in a row: the
+    kept costs and timing are forgotten when the request ends, so the next one calibrates;
+    a disagreement that comes and goes (the correction's business) keeps them."""
+    from dflash2_mlx.adaptive import store, timing as timing_module
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    costs = CostModel(CPU.target, CPU.drafter)
+    key = "k"
+    path = store.cache_dir() / f"costs-{key}.json"
+    store.write(path, costs.to_json())
+    adaptive.cost_models[key] = costs
+    try:
+        t = adaptive.Timing()
+        t.record("draft", 4, 0.06, 0.06)  # a first pass: not counted
+        for i in range(2 * timing_module.DISAGREE_CYCLES):
+            # Now and then a cycle as priced: its kind's decayed ratio stays off anyway.
+            t.record("draft", 4, 0.06 if i % 7 == 0 else 0.14, 0.06)
+        assert t.disagrees()
+        adaptive.save_timing(key, costs, t)
+        assert not path.exists() and not adaptive.timing_path(key).exists()
+        assert key not in adaptive.cost_models
+        assert "measuring them again at the next request" in capsys.readouterr().err
+        store.write(path, costs.to_json())
+        t = adaptive.Timing()
+        for i in range(4 * timing_module.DISAGREE_CYCLES):  # bursts of load that pass
+            t.record("draft", 4, 0.14 if (i // 20) % 2 else 0.06, 0.06)
+        assert not t.disagrees()
+        adaptive.save_timing(key, costs, t)
+        assert path.exists() and adaptive.timing_path(key).exists()
+    finally:
+        adaptive.cost_models.clear()
+        adaptive.timings.clear()
+
+
 # --- sampling stays exact -------------------------------------------------------------------------
 
 N = 1200
@@ -698,6 +733,36 @@ def test_sampled_tokens_follow_target_distribution_under_adaptive(tmp_path, vers
     assert len(sizes) >= 2 and sizes.get(1, 0) > 0  # drafted cycles, then plain steps
     p = chi2_pvalue(counts, exact_joint(model, prompt, 3, **kw), N)
     assert p > 1e-3, f"sampled tokens do not follow the target distribution (p = {p:.2e})"
+
+
+def refined(cost, rows):
+    """The rows calibration measures for a machine whose pass over b rows costs cost(b): the
+    initial ones, then the middles its refinement asks for (as ``calibrate`` runs it)."""
+    from dflash2_mlx.adaptive.costs import REFINE_ROUNDS, stepped_halves, uneven_gaps
+
+    curve = {b: cost(b) for b in rows}
+    gaps = uneven_gaps(curve)
+    for _ in range(REFINE_ROUNDS):
+        if not gaps:
+            break
+        curve.update({(lo + hi) // 2: cost((lo + hi) // 2) for lo, hi in gaps})
+        gaps = stepped_halves(curve, gaps)
+    return curve
+
+
+def test_calibration_finds_a_step_between_the_rows_it_measures():
+    """A cliff between 24 and 25 rows (a tile boundary no fixed grid names): the refinement
+    brackets it exactly; an evenly rising curve gets one middle per gap at most."""
+    from dflash2_mlx.adaptive.costs import COPY_ROWS, LARGEST_ROWS, TREE_ROWS, interp
+
+    rows = [1, *range(2, 9), *COPY_ROWS, *TREE_ROWS, LARGEST_ROWS]
+    cliff = lambda b: 1.0 + 0.01 * b + (2.0 if b > 24 else 0.0)
+    curve = refined(cliff, rows)
+    assert 24 in curve and 25 in curve and len(curve) - len(set(rows)) <= 8
+    lines = {b: (c, 0.0) for b, c in curve.items()}
+    assert all(interp(lines, b)[0] == pytest.approx(cliff(b)) for b in range(1, LARGEST_ROWS + 1))
+    even = lambda b: 1.0 + 0.1 * b
+    assert len(refined(even, rows)) - len(set(rows)) <= 4
 
 
 def test_calibration_keeps_a_machines_steps_and_clamps_noise():

@@ -22,7 +22,7 @@ STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
 BUSY_RETRY_S = 120.0  # ... one measured while other processes used the machine, after this
 CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
-CALIBRATION = 7  # bumped when calibrate() measures differently: older cost files are remeasured
+CALIBRATION = 8  # bumped when calibrate() measures differently: older cost files are remeasured
 # A block measured dearer than a larger one by more than this is measured again (REDO_ROUNDS
 # rounds, interleaved with the larger ones); if it still is, it is a step of the machine's.
 STEP = 1.25
@@ -35,6 +35,13 @@ COPY_ROWS = (12, COPY_LARGEST)
 # Rows of the trees ``--tree-budget auto`` weighs (8, 16 and 32 nodes and the anchor): a
 # curve may step between them (a GPU's matmul tiles), so each is measured, not extrapolated.
 TREE_ROWS = (9, 17, 33)
+LARGEST_ROWS = 40  # the widest pass calibrated; wider ones are priced as it
+# Where the curve between two measured row counts is not a straight line (the middle row
+# count costs more than LINEAR off the line through them), the middle is measured and both
+# halves looked at again, up to REFINE_ROUNDS times: steps (a GPU's tiles, the CPU's split)
+# are found where they are, not assumed at the rows measured.
+LINEAR = 0.1
+REFINE_ROUNDS = 4
 
 Line = Tuple[float, float]  # (seconds at context 0, extra seconds per context token)
 
@@ -165,21 +172,38 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
             c.trim(1)
 
     sizes = sorted(set(sizes or []) | {2, B})
-    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B} | set(TREE_ROWS))
-    points = ([(target_pass, b, short) for b in [1] + rows] + [(target_pass, b, long) for b in {1, B}]
+    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B} | set(TREE_ROWS)
+                  | {LARGEST_ROWS})
+    points = ([(target_pass, b, short) for b in [1] + rows]
+              + [(target_pass, b, long) for b in {1, B, *TREE_ROWS}]
               + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
     target_pass(2, short)  # warm-up: one pass is enough (a plain chain is four)
     best = {p: float("inf") for p in points}
+
+    def measure(ps, n_rounds):
+        for _ in range(n_rounds):
+            for p in ps:
+                per = PLAIN_RUN if p[0] is target_pass and p[1] == 1 else 1
+                best[p] = min(best[p], _timed(lambda: p[0](p[1], p[2])) / per)
+
     for r in range(rounds[1]):
         start = time.perf_counter()
-        for p in points:
-            per = PLAIN_RUN if p[0] is target_pass and p[1] == 1 else 1
-            best[p] = min(best[p], _timed(lambda: p[0](p[1], p[2])) / per)
+        measure(points, 1)
         now = time.perf_counter()
         if r + 1 >= rounds[0] and now + (now - start) - tic > budget_s:
             break
+    curve = lambda: {p[1]: best[p] for p in best if p[0] is target_pass and p[2] == short}
+    gaps = uneven_gaps(curve()) if redo else []
+    for _ in range(REFINE_ROUNDS):
+        if not gaps:
+            break
+        middles = [(target_pass, (lo + hi) // 2, short) for lo, hi in gaps]
+        best.update({p: float("inf") for p in middles})
+        measure(middles, rounds[0])
+        rows = sorted(set(rows) | {p[1] for p in middles})
+        gaps = stepped_halves(curve(), gaps)
     for step, n in {(p[0], p[2]) for p in points}:
-        mine = {p[1]: p for p in points if p[0] is step and p[2] == n}
+        mine = {p[1]: p for p in best if p[0] is step and p[2] == n}
         inverted = [b for b in mine if any(best[mine[b2]] * STEP < best[mine[b]] for b2 in mine if b2 > b)]
         again = [mine[b2] for b2 in mine if inverted and b2 >= min(inverted)]
         for _ in range(REDO_ROUNDS if inverted and redo else 0):
@@ -201,6 +225,27 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
 
     return CostModel(lines(target_pass, [1] + rows), lines(drafter_step, sizes),
                      calibration_s=time.perf_counter() - tic, busy=watch.others())
+
+
+def uneven_gaps(curve: Dict[int, float]) -> List[Tuple[int, int]]:
+    """Neighbouring row counts of ``curve`` with rows between them whose costs differ by
+    more than LINEAR (either way): the curve may step somewhere in there."""
+    keys = sorted(curve)
+    return [(lo, hi) for lo, hi in zip(keys, keys[1:])
+            if hi - lo > 1 and abs(curve[hi] - curve[lo]) > LINEAR * min(curve[hi], curve[lo])]
+
+
+def stepped_halves(curve: Dict[int, float], gaps: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """After each gap's middle was measured: the halves of the gaps whose middle lies off the
+    straight line through its ends by more than LINEAR (a step is in one of them); a middle
+    on the line says the gap rises evenly, and it is left."""
+    out = []
+    for lo, hi in gaps:
+        m = (lo + hi) // 2
+        line = curve[lo] + (curve[hi] - curve[lo]) * (m - lo) / (hi - lo)
+        if abs(curve[m] - line) > LINEAR * line:
+            out += [(a, b) for a, b in ((lo, m), (m, hi)) if b - a > 1]
+    return out
 
 
 def steps_kept(costs: Dict[int, float]) -> Dict[int, float]:

@@ -4,6 +4,7 @@ so a calibration that landed badly on a busy machine is corrected as the loop ru
 process keeps one ``Timing`` per cost model, saved for the next process (``timing_for``,
 ``save_timing``)."""
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -17,6 +18,12 @@ TIMING_PRIOR = 3.0
 TIMING_DECAY = 0.9  # evidence kept per cycle of the same key: follows the machine's load
 TIMING_CLIP = 3.0  # one cycle counts as at most this many times its prediction (a stall)
 TIMING_FORMAT = 2  # bumped when the loop times cycles differently: older timing files are dropped
+# A calibration is measured again (at the next request) once a kind's live cycles have
+# kept costing more than DISAGREE times, or less than 1 / DISAGREE times, its prices for
+# DISAGREE_CYCLES cycles in a row: the machine is not the one that was measured (another
+# load, power mode or MLX), and corrections on top of a wrong curve misjudge its shape.
+DISAGREE = 1.5
+DISAGREE_CYCLES = 64
 
 
 @dataclass
@@ -29,6 +36,7 @@ class Timing:
     observed: Dict[str, float] = field(default_factory=dict)
     predicted: Dict[str, float] = field(default_factory=dict)
     seen: set = field(default_factory=set)  # block sizes this process has run (not saved)
+    off: int = 0  # cycles in a row whose kind's live cost strayed from the calibration
 
     def record(self, kind: str, b: int, seconds: float, predicted: float, group: Optional[str] = None):
         if f"{kind}{b}" not in self.seen:  # a shape's first pass in a process allocates its
@@ -39,6 +47,17 @@ class Timing:
             if key is not None:
                 self.observed[key] = self.observed.get(key, 0.0) * TIMING_DECAY + seconds
                 self.predicted[key] = self.predicted.get(key, 0.0) * TIMING_DECAY + predicted
+        r = self.observed[kind] / max(self.predicted[kind], 1e-12)
+        self.off = self.off + 1 if not 1 / DISAGREE <= r <= DISAGREE else 0
+
+    def observed_ratio(self) -> float:
+        """Observed over predicted seconds of every cycle recorded (decayed)."""
+        kinds = [k for k in self.observed if k in ("plain", "draft", "copy")]
+        return sum(self.observed[k] for k in kinds) / max(sum(self.predicted[k] for k in kinds), 1e-12)
+
+    def disagrees(self) -> bool:
+        """Whether live cycles have kept disagreeing with the calibration (measure it again)."""
+        return self.off >= DISAGREE_CYCLES
 
     def ratio(self, kind: str, b: int, predicted: float, group: Optional[str] = None) -> float:
         """Observed over predicted seconds for a cycle of this kind and block size, shrunk
@@ -104,6 +123,18 @@ def timing_for(key: str, costs: CostModel) -> Timing:
 
 
 def save_timing(key: str, costs: CostModel, timing: Timing):
-    """Keep ``timing`` (of the cost model ``costs``) for the next process."""
+    """Keep ``timing`` (of the cost model ``costs``) for the next process; or, where live
+    cycles keep disagreeing with the calibration, forget both so the next request measures
+    the machine again."""
+    if timing.disagrees():
+        from .costs import cost_models
+
+        print(f"dflash2-mlx: live cycles kept costing {timing.observed_ratio():.2f}x what the pass costs measured "
+              f"at first use said: measuring them again at the next request", file=sys.stderr, flush=True)
+        for path in (store.cache_dir() / f"costs-{key}.json", timing_path(key)):
+            path.unlink(missing_ok=True)
+        cost_models.pop(key, None)
+        timings.pop(key, None)
+        return
     store.write(timing_path(key), {"created": costs.created, "format": TIMING_FORMAT,
                                    "observed": timing.observed, "predicted": timing.predicted})

@@ -153,7 +153,7 @@ def tree_cycle(seq: Sequence, anchor: int, b: int, budget: int) -> Tuple[List[in
     # Draft + propose: one drafter pass, its lattice, the walk's path and the likeliest others.
     hidden = drafter(mx.array([[anchor] + [drafter.config.mask_token_id] * (b - 1)]), seq.context.fed())
     cand, scores = trees.lattice(drafter, hidden, anchor)
-    tree = trees.grow(anchor, cand, scores, budget, 1.0 if params.greedy else params.temp)
+    tree = trees.grow(anchor, cand, scores, budget, trees.GREEDY_TEMPERATURE if params.greedy else params.temp)
     # Verify: one target pass over every node, each reading only its own path.
     rows, features = seq.verify_tree(tree)
     # Accept: walk the tree with the target's own token at each node.

@@ -198,4 +198,33 @@ def costs_report(echo=print) -> list:
     for r in rows:
         echo(f"| {r} | " + " | ".join(f"{col[r]:.2f}" if r in col else "" for _, col, _ in columns) + " |")
     echo("| | " + " | ".join(note for _, _, note in columns) + " |")
+    echo("")
+    for line in plot({name: col for name, col, _ in columns}):
+        echo(line)
     return columns
+
+
+PLOT_MARKS = "*o+x#@%&"
+
+
+def plot(series: dict, largest: int = 40, height: int = 12) -> list:
+    """The curves as text: one column per row count 1..``largest``, cost (in one-row
+    passes) upwards, a mark per curve (straight lines between its measured rows)."""
+    from ..adaptive.costs import interp
+
+    curves = {name: {r: (v, 0.0) for r, v in col.items()} for name, col in series.items() if col}
+    if not curves:
+        return []
+    values = {name: [interp(c, r)[0] for r in range(1, largest + 1)] for name, c in curves.items()}
+    top = max(max(v) for v in values.values())
+    grid = [[" "] * largest for _ in range(height)]
+    for mark, v in zip(PLOT_MARKS, values.values()):
+        for x, y in enumerate(v):
+            grid[height - 1 - min(height - 1, int(round((y - 1.0) / max(top - 1.0, 1e-9) * (height - 1))))][x] = mark
+    out = [f"{1.0 + (top - 1.0) * (height - 1 - i) / (height - 1):6.2f} |" + "".join(row)
+           for i, row in enumerate(grid)]
+    out.append("       +" + "-" * largest)
+    out.append("        " + "".join(str(r // 10) if r % 10 == 0 else " " for r in range(1, largest + 1))
+               + "  rows (x10)")
+    out.append("        " + "  ".join(f"{m} {name}" for m, name in zip(PLOT_MARKS, values)))
+    return out

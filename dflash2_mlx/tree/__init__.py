@@ -17,8 +17,8 @@ MAX_BUDGET = 64
 
 from .accept import accept, lattice  # noqa: E402
 from .budget import Arms, check_budget, choose  # noqa: E402
-from .grow import Tree, grow  # noqa: E402
+from .grow import GREEDY_TEMPERATURE, Tree, grow  # noqa: E402
 from .target_pass import compact, fits, tree_pass  # noqa: E402
 
-__all__ = ["MAX_BUDGET", "Arms", "Tree", "accept", "check_budget", "choose", "compact", "fits", "grow", "lattice",
+__all__ = ["GREEDY_TEMPERATURE", "MAX_BUDGET", "Arms", "Tree", "accept", "check_budget", "choose", "compact", "fits", "grow", "lattice",
            "tree_pass"]

@@ -16,6 +16,11 @@ from typing import List
 
 import numpy as np
 
+# Greedy trees rank paths by softmax(scores / GREEDY_TEMPERATURE): the selector's rows are
+# sharper than how often the target follows them, and softer rows spend the budget on the
+# siblings the target picks (scripts/experiments/tree_rules.py and docs/tree.md say by how much).
+GREEDY_TEMPERATURE = 1.5
+
 
 @dataclass
 class Tree:
