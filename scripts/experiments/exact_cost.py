@@ -6,7 +6,9 @@ probe found it exact) and with exact=True forced to one-row steps, side by side 
 (each prompt runs the four in turn, after one warm-up prompt). Prints the machine's exactness
 verdict, tokens per second of each and how many outputs equal plain decoding's.
 
-    python scripts/experiments/exact_cost.py [--prompts 10] [--max-tokens 64] [--block-size auto]
+    python scripts/experiments/exact_cost.py [--prompts 10] [--max-tokens 64] [--block-size auto] [--bits 4]
+
+``--bits``: quantize the target's linear layers first (group 64), as a 4-bit target is run.
 """
 
 import argparse
@@ -25,9 +27,15 @@ def main():
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--block-size", default="auto")
+    ap.add_argument("--bits", type=int, default=None)
     args = ap.parse_args()
     block = args.block_size if args.block_size == "auto" else int(args.block_size)
     model, tok, drafter = load()
+    if args.bits:
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=64, bits=args.bits,
+                    class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 64 == 0)
     verdict = exactness.verdict(model)
     print("verdict:", verdict.describe(), "| row-exact pass:", verdict.exact_pass or verdict.exact_pass_note)
     measured = exactness.verdict
