@@ -476,7 +476,9 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     costs = adaptive.cost_model(target, drafter)
     files = list((tmp_path / "adaptive").glob("costs-*.json"))
     assert len(files) == 1
-    assert set(costs.target) == set(range(1, 10)) | {12, 15, 17, 33} and set(costs.drafter) == {2, 8}
+    # The grid, and the middles where the curve between two of its rows was not straight.
+    grid = set(range(1, 10)) | {12, 15, 17, 33, 40}
+    assert grid <= set(costs.target) <= set(range(1, 41)) and set(costs.drafter) == {2, 8}
     short = adaptive.CONTEXTS[0]
     # Never cheaper than a larger block (up to rounding), unless by a step of more than STEP
     # that held when measured again (this CPU splits up to 15 rows over two streams, one above).
@@ -494,7 +496,7 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     adaptive.cost_models.clear()
     assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again
     extra = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1), sizes=[4])
-    assert set(extra.target) == set(range(1, 10)) | {12, 15, 17, 33} and set(extra.drafter) == {2, 4, 8}
+    assert grid <= set(extra.target) <= set(range(1, 41)) and set(extra.drafter) == {2, 4, 8}
     other = pair["qwen3_5"]
     assert adaptive.cost_key(attach(other[0], other[2]), other[2]) != adaptive.cost_key(target, drafter)
 
