@@ -265,11 +265,13 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
                   quantized_kv_start=quantized_kv_start)
     policy, exact_note = None, "exact"  # plain decoding is the target's own
     if drafter is not None and verify_mode != "off":
-        exact_note, one_row = exactness_of(model, exact)
+        # Exact rows decide how to verify before the steps; otherwise the reply's note is read
+        # after them (a first use's calibration keeps a verdict beside it).
+        exact_note, one_row = exactness_of(model, True) if exact else (None, None)
         policy, tokens = _dflash_steps(model, drafter, ids, params, limit, block_size, verify_mode, seed,
                                       draft_window, draft_sink, draft_context, cached_tokens, lookup,
                                       one_row=one_row, tree_budget=tree_budget, cost_file=cost_file, **shared)
-        if not exact:  # a first use's calibration (just now) keeps a verdict beside it
+        if not exact:
             exact_note = exactness_of(model, False)[0]
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)

@@ -53,53 +53,48 @@ def _one_row(x) -> bool:
     return x.ndim < 2 or x.size == x.shape[-1]
 
 
-def _quantized(m, x, mode_of=lambda m: getattr(m, "mode", "affine")):
-    return quantized_rows(x, m["weight"], m["scales"], m.get("biases"), m.group_size, m.bits, mode_of(m))
-
+# The products a pass runs row by row: the method that computes one, and MLX's own
+# quantized version of it (which the exact kernel computes for all rows at once).
+PRODUCTS = {"product": ("__call__", nn.QuantizedLinear.__call__),
+            "embedding": ("as_linear", nn.QuantizedEmbedding.as_linear)}
 
 _classes = {}
 
 
+def _row_wise_product(cls, method: str, quantized) -> dict:
+    own = getattr(cls, method)
+    own_quantized = own is quantized
+
+    def row_wise(self, x):
+        if not active() or _one_row(x):
+            return own(self, x)
+        if own_quantized:
+            y = quantized_rows(x, self["weight"], self["scales"], self.get("biases"), self.group_size,
+                               self.bits, getattr(self, "mode", "affine"))
+            return y + self["bias"] if "bias" in self else y
+        return by_row(lambda r: own(self, r), x)
+
+    return {method: row_wise}
+
+
+def _row_wise_mixer(cls) -> dict:
+    def __call__(self, x, *args, **kwargs):
+        if not active() or x.shape[-2] == 1:
+            return cls.__call__(self, x, *args, **kwargs)
+        # A one-row step has no mask: its one query reads the whole cache.
+        args = (None, *args[1:]) if args else args
+        if "mask" in kwargs:
+            kwargs = {**kwargs, "mask": None}
+        outs = [cls.__call__(self, x[:, i : i + 1], *args, **kwargs) for i in range(x.shape[1])]
+        return mx.concatenate(outs, axis=1)
+
+    return {"__call__": __call__}
+
+
 def _subclass(cls, kind: str):
-    if (cls, kind) in _classes:
-        return _classes[(cls, kind)]
-    if kind == "product":
-        own_quantized = cls.__call__ is nn.QuantizedLinear.__call__
-
-        def __call__(self, x):
-            if not active() or _one_row(x):
-                return cls.__call__(self, x)
-            if own_quantized:
-                y = _quantized(self, x)
-                return y + self["bias"] if "bias" in self else y
-            return by_row(lambda r: cls.__call__(self, r), x)
-
-        body = {"__call__": __call__}
-    elif kind == "embedding":
-        own_quantized = cls.as_linear is nn.QuantizedEmbedding.as_linear
-
-        def as_linear(self, x):
-            if not active() or _one_row(x):
-                return cls.as_linear(self, x)
-            if own_quantized:
-                return _quantized(self, x)
-            return by_row(lambda r: cls.as_linear(self, r), x)
-
-        body = {"as_linear": as_linear}
-    else:
-
-        def __call__(self, x, *args, **kwargs):
-            if not active() or x.shape[-2] == 1:
-                return cls.__call__(self, x, *args, **kwargs)
-            # A one-row step has no mask: its one query reads the whole cache.
-            args = (None, *args[1:]) if args else args
-            if "mask" in kwargs:
-                kwargs = {**kwargs, "mask": None}
-            outs = [cls.__call__(self, x[:, i : i + 1], *args, **kwargs) for i in range(x.shape[1])]
-            return mx.concatenate(outs, axis=1)
-
-        body = {"__call__": __call__}
-    _classes[(cls, kind)] = type(f"RowExact{cls.__name__}", (cls,), body)
+    if (cls, kind) not in _classes:
+        body = _row_wise_product(cls, *PRODUCTS[kind]) if kind in PRODUCTS else _row_wise_mixer(cls)
+        _classes[(cls, kind)] = type(f"RowExact{cls.__name__}", (cls,), body)
     return _classes[(cls, kind)]
 
 

@@ -52,7 +52,6 @@ class Verdict:
     exact_pass: Optional[bool] = None
     exact_pass_note: str = ""
 
-
     def describe(self) -> str:
         if self.exact:
             return "exact"

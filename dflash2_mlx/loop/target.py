@@ -74,6 +74,7 @@ class Target:
         # than one-row steps: None (off), "pass" (one pass whose rows are one-row steps',
         # ``exact_pass.py``) or "steps" (one-row steps).
         self.exact = None
+        self._row_exact = False  # the row-exact pass's classes installed (``exact_pass``)
         self._tree_depths = None  # tree passes: the node depths the ropes read (``tree/``)
         self.stage = getattr(model, "dflash_stage", None)  # a pipeline stage: this rank's layers
         depth = len(self.layers) if self.stage is None else self.stage.depth
@@ -178,7 +179,9 @@ class Target:
     def exact_pass(self, ids: mx.array, cache):
         """``__call__``'s result for ``ids`` [1, L] in one pass whose products and mixers
         run row by row (``exact_pass.py``; the probe says whether that is one-row steps' bits)."""
-        exact_pass.install(self.model, self.layers)
+        if not self._row_exact:  # the classes once, not every pass
+            exact_pass.install(self.model, self.layers)
+            self._row_exact = True
         with exact_pass.rows():
             return self(ids, cache, split=False)
 

@@ -325,15 +325,27 @@ struct RaceTracker {
   }
 };
 
+// The running fiber, for a call that waits for its threadgroup (else abort with ``misuse``).
+inline Fiber* waiting_fiber(const char* misuse) {
+  if (!g_fibers) {
+    std::fprintf(stderr, "%s\n", misuse);
+    std::abort();
+  }
+  return g_current;
+}
+
+// Yield until every thread of the group waits at ``site`` (the scheduler releases them).
+inline void wait_for_group(Fiber* f, int site) {
+  f->at_barrier = true;
+  f->site_line = site;
+  swapcontext(&f->ctx, &g_scheduler);
+}
+
 }  // namespace emu_detail
 
 inline void metal::threadgroup_barrier(mem_flags flags, int line) {
   using namespace emu_detail;
-  if (!g_fibers) {
-    std::fprintf(stderr, "emu: threadgroup_barrier outside a barrier-enabled launch\n");
-    std::abort();
-  }
-  Fiber* f = g_current;
+  Fiber* f = waiting_fiber("emu: threadgroup_barrier outside a barrier-enabled launch");
   const bool fences_tg = int(flags) & int(mem_flags::mem_threadgroup);
   const bool fences_device = int(flags) & int(mem_flags::mem_device);
   if (g_tg_kernel && !fences_device && !fences_tg) {
@@ -348,9 +360,7 @@ inline void metal::threadgroup_barrier(mem_flags flags, int line) {
               "written before it is not guaranteed visible after it";
   }
   if (fences_tg) f->who.tg_fenced = int(f->who.interval);
-  f->at_barrier = true;
-  f->site_line = line;
-  swapcontext(&f->ctx, &g_scheduler);
+  wait_for_group(f, line);
   ++f->who.interval;  // released: every thread of the group reached this barrier
 }
 
@@ -367,20 +377,14 @@ inline std::map<uint64_t, SimdCall> g_simd;
 
 inline float metal::simd_sum(float v, int line) {
   using namespace emu_detail;
-  if (!g_fibers) {
-    std::fprintf(stderr, "emu: simd_sum outside a fiber launch\n");
-    std::abort();
-  }
-  Fiber* f = g_current;
+  Fiber* f = waiting_fiber("emu: simd_sum outside a fiber launch");
   const uint lane = f->ids.thread_index_in_simdgroup;
   const uint64_t key = (uint64_t(f->who.group) << 40) |
                        (uint64_t(f->ids.simdgroup_index_in_threadgroup) << 32) | f->simd_calls++;
   SimdCall& call = g_simd[key];
   call.v[lane] = v;
   call.present[lane] = true;
-  f->at_barrier = true;
-  f->site_line = -line;  // a simd_sum site, never equal to a barrier's
-  swapcontext(&f->ctx, &g_scheduler);
+  wait_for_group(f, -line);  // a simd_sum site, never equal to a barrier's
   // Released: every thread of the threadgroup reached this call, so every lane wrote.
   float x[32];
   for (int i = 0; i < 32; ++i) x[i] = call.present[i] ? call.v[i] : 0.0f;
