@@ -1,6 +1,6 @@
 """Tree verification (``dflash2_mlx/tree``): greedy parity with mlx-lm for trees of 4..32
-nodes on every family that takes one (the rest verify chains and say why), caches equal to
-a fresh prefill after every tree cycle, the sampled rule against the target's exact
+nodes on every family (hybrids' recurrent layers node by node), caches equal to a fresh
+prefill after every tree cycle, the sampled rule against the target's exact
 distribution (and the biased ``min(1, p/q)`` rule caught by the same test), and bad input."""
 
 import mlx.core as mx
@@ -18,7 +18,8 @@ from dflash2_mlx.tree.grow import grow, log_softmax as lattice_log_softmax
 from helpers import cache_arrays, chi2_pvalue, exact_joint, params_of, plain_tokens
 from tiny_models import make_drafter, make_target
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_sliding", "muse_glimmer", "gemma4_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_sliding", "muse_glimmer", "gemma4_text",
+            "qwen3_5", "qwen3_next"]
 BUDGETS = [4, 8, 16, 32]
 MAX_TOKENS = 32
 
@@ -28,7 +29,7 @@ def pairs(tmp_path_factory):
     """family -> (model, tokenizer, {1: v1 drafter, 2: v2 drafter}); sliding windows of 64
     (the trees fit until the context nears them), targets sharp enough to be far from ties."""
     out = {}
-    for fam in FAMILIES + ["qwen3_5"]:
+    for fam in FAMILIES:
         root = tmp_path_factory.mktemp(fam)
         make_target(root / "t", fam, alphabet="abcd", seed=3, window=64, scale=2.0)
         drafters = {}
@@ -108,12 +109,33 @@ def test_greedy_parity_with_a_logits_processor(pairs):
     assert out == ref and stats.trees > 0
 
 
-def test_hybrid_targets_verify_chains_and_say_why(pairs):
-    model, tok, drafters = pairs["qwen3_5"]
+@pytest.fixture(scope="module")
+def wide_hybrid(tmp_path_factory):
+    """A qwen3_5 (hybrid) pair with attention heads of 32, for KV quantization."""
+    root = tmp_path_factory.mktemp("kv-hybrid")
+    make_target(root / "t", "qwen3_5", alphabet="abcd", seed=3, scale=2.0, head_dim=32)
+    make_drafter(root / "d", root / "t", version=2, seed=13)
+    return d.load(str(root / "t"), str(root / "d"))
+
+
+def test_hybrid_trees_with_quantized_kv(wide_hybrid):
+    model, tok, drafter = wide_hybrid
     prompt = tok.encode("abcab dcba")
-    out, stats = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, 16)
-    assert out == plain_tokens(model, prompt, MAX_TOKENS)
-    assert stats.trees == 0 and stats.chain_why == "recurrent layers cannot take a tree"
+    from mlx_lm.generate import generate_step
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS, kv_bits=8,
+                                            kv_group_size=32, quantized_kv_start=0)]
+    out, stats = tree_tokens(model, drafter, prompt, MAX_TOKENS, 16, kv_bits=8, kv_group_size=32,
+                             quantized_kv_start=0)
+    assert out == ref and stats.trees > 0 and stats.tree_accepted > 0
+
+
+def test_a_recurrent_layer_without_a_known_mixer_verifies_chains(pairs):
+    """A recurrent cache the tree pass has no node-by-node mixer for: chains, saying why."""
+    from mlx_lm.models.cache import ArraysCache
+    model, tok, drafters = pairs["qwen3"]
+    target = attach(model, drafters[2])
+    why = trees.fits(target, target.make_cache() + [ArraysCache(2)], 9)
+    assert why == "recurrent layers without a mixer a tree pass can run node by node"
 
 
 def test_sliding_window_trees_stop_at_the_window_and_stay_exact(pairs):
@@ -124,9 +146,11 @@ def test_sliding_window_trees_stop_at_the_window_and_stay_exact(pairs):
     assert stats.trees > 0 and stats.chain_why == "the tree would reach a sliding window"
 
 
-@pytest.mark.parametrize("temp", [0.0, 1.0])
-def test_cache_equals_fresh_prefill_after_every_tree_cycle(pairs, temp):
-    model, tok, drafters = pairs["qwen3"]
+@pytest.mark.parametrize("family,temp", [("qwen3", 0.0), ("qwen3", 1.0), ("qwen3_5", 0.0), ("qwen3_next", 1.0)])
+def test_cache_equals_fresh_prefill_after_every_tree_cycle(pairs, family, temp):
+    """Attention caches compacted to the accepted path; a hybrid's recurrent state the one
+    the accepted path alone leaves."""
+    model, tok, drafters = pairs[family]
     drafter = drafters[2]
     target = attach(model, drafter)
     prompt = tok.encode("dcba abcd")
@@ -211,7 +235,11 @@ def test_the_stats_line_reports_trees(pairs):
     for last in d.stream_generate(model, tok, "abcab dcba", drafters[2], max_tokens=20, block_size=6,
                                   verify_mode="tree", tree_budget=16, lookup=False):
         pass
-    assert "trees none (recurrent layers cannot take a tree)" in stats_line(last)
+    assert last.trees > 0 and f"trees {last.trees}: 16.0 nodes" in stats_line(last)
+    for last in d.stream_generate(model, tok, "abcab dcba", drafters[2], max_tokens=20, block_size=6,
+                                  verify_mode="tree", tree_budget=16, lookup=False, exact=True):
+        pass
+    assert "trees none (exact verify reads one row at a time (a chain))" in stats_line(last)
 
 
 # Sampling ----------------------------------------------------------------------------------
@@ -292,6 +320,69 @@ def test_the_tree_rule_is_exact_and_the_biased_rule_is_caught():
         biased[biased_first_token(p, q, [0, 1], rng)] += 1
     assert sstats.chisquare(ours, p * n).pvalue > ALPHA
     assert sstats.chisquare(biased, p * n).pvalue < 1e-6
+
+
+def drawn_child_first(p: np.ndarray, q: np.ndarray, drawn: int, siblings: list, rng, residual=True):
+    """The sampled tree's rule at a node of its drawn path (numpy): the drawn child with
+    min(1, p/q), then a draw from the residual (``residual=False``: from p, the mutation
+    the test must catch), moving on if a sibling holds it.  (token, whether the walk went on)."""
+    if rng.uniform() * q[drawn] < p[drawn]:
+        return drawn, True
+    r = np.maximum(p - q, 0) if residual else p
+    token = int(rng.choice(len(p), p=r / r.sum()))
+    return token, token in siblings
+
+
+def test_the_drawn_path_is_judged_as_a_chain_and_its_siblings_catch_the_residual():
+    """A node whose first child was drawn from q (the walk's draw) and a sibling: the emitted
+    token follows p, and the walk goes on with probability sum(min(p, q)) (the chain's) plus
+    the residual's mass on the sibling.  Drawing from p after a rejection is caught."""
+    logits = mx.array([[2.0, 1.5, 0.3, -1.0, 0.0]])
+    q = np.array([0.1, 0.6, 0.05, 0.2, 0.05], dtype=np.float32)  # far from p: rejections matter
+    params = SamplingParams(temp=1.0)
+    p = np.array(probs(log_softmax(logits), params)[0], dtype=np.float64)
+    p /= p.sum()
+    rng, n = np.random.default_rng(1), 4000
+    ours, mutant, went_on = np.zeros(5), np.zeros(5), 0
+    mx.random.seed(1)
+    for _ in range(n):
+        drawn = int(rng.choice(5, p=q / q.sum()))
+        sibling = 1 if drawn != 1 else 0
+        tree = trees.Tree(np.array([9, drawn, sibling]), np.array([-1, 0, 0]), np.array([0, 1, 1]), drawn=1)
+        rows = mx.concatenate([logits, mx.zeros((2, 5))])
+        path, token, _ = trees.accept(tree, rows, mx.array([9]), None, params, mx.array(q[None]))
+        ours[int(tree.tokens[path[1]]) if len(path) > 1 else token] += 1
+        went_on += len(path) > 1
+        mutant[drawn_child_first(p, q, drawn, [sibling], rng, residual=False)[0]] += 1
+    assert sstats.chisquare(ours, p * n).pvalue > ALPHA
+    assert sstats.chisquare(mutant, p * n).pvalue < 1e-6
+    residual = np.maximum(p - q, 0)
+    expect = sum(q[s] * (np.minimum(p, q).sum() + residual[1 if s != 1 else 0]) for s in range(5))
+    assert abs(went_on / n - expect) < 4 * np.sqrt(expect * (1 - expect) / n)
+    assert expect > np.minimum(p, q).sum()  # more than the chain's
+
+
+def test_sampled_trees_hold_the_walks_drawn_path_first(sharp):
+    """The tree a sampled cycle verifies starts with the path the walk drew (seeded: the same
+    draws as the chain's own ``propose``), then other candidates."""
+    from dflash2_mlx.loop.draft_context import DraftContext
+    from dflash2_mlx.model.drafter import propose
+    model, tok, drafter = sharp[2]
+    target = attach(model, drafter)
+    _, features = target(mx.array([tok.encode("abab")]), target.make_cache())
+    context = DraftContext(drafter)
+    context.add(features)
+    hidden = drafter(mx.array([[3] + [drafter.config.mask_token_id] * 3]), context.fed())
+    cand, scores = trees.lattice(drafter, hidden, 3)
+    params = SamplingParams(temp=1.0)
+    for seed in range(5):
+        mx.random.seed(seed)
+        draft, q = propose(drafter, hidden, mx.array(3), params)
+        tree = grow(3, cand, scores, 8, params.temp, drawn=np.array(draft))
+        assert tree.drawn == 3 and tree.tokens[1:4].tolist() == np.array(draft).tolist()
+        assert tree.parents[1:4].tolist() == [0, 1, 2] and tree.size == 8
+        kids = tree.children()
+        assert all(len(kids[i]) == len(set(kids[i])) for i in range(tree.tokens.size))
 
 
 def test_auto_budget_follows_the_cost_curve():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .. import adaptive, tree as trees
@@ -153,11 +154,15 @@ def tree_cycle(seq: Sequence, anchor: int, b: int, budget: int) -> Tuple[List[in
     # Draft + propose: one drafter pass, its lattice, the walk's path and the likeliest others.
     hidden = drafter(mx.array([[anchor] + [drafter.config.mask_token_id] * (b - 1)]), seq.context.fed())
     cand, scores = trees.lattice(drafter, hidden, anchor)
-    tree = trees.grow(anchor, cand, scores, budget, trees.GREEDY_TEMPERATURE if params.greedy else params.temp)
+    if params.greedy:
+        tree, q = trees.grow(anchor, cand, scores, budget, trees.GREEDY_TEMPERATURE), None
+    else:  # the path the walk draws first, judged as a chain's draft
+        draft, q = propose(drafter, hidden, mx.array(anchor), params)
+        tree = trees.grow(anchor, cand, scores, budget, params.temp, drawn=np.array(draft))
     # Verify: one target pass over every node, each reading only its own path.
     rows, features = seq.verify_tree(tree)
     # Accept: walk the tree with the target's own token at each node.
-    path, token, logprobs = trees.accept(tree, rows, seq.history, seq.processors, params)
+    path, token, logprobs = trees.accept(tree, rows, seq.history, seq.processors, params, q)
     seq.keep_path(tree, features, path)
     return tree.tokens[path[1:]].tolist() + [token], len(path) - 1, logprobs
 

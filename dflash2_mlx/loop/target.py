@@ -76,6 +76,7 @@ class Target:
         self.exact = None
         self._row_exact = False  # the row-exact pass's classes installed (``exact_pass``)
         self._tree_depths = None  # tree passes: the node depths the ropes read (``tree/``)
+        self._tree_recurrent = None  # ... and the tree the recurrent mixers read, their count
         self.stage = getattr(model, "dflash_stage", None)  # a pipeline stage: this rank's layers
         depth = len(self.layers) if self.stage is None else self.stage.depth
         bad = [i for i in layer_ids if not 0 <= i < depth]

@@ -8,6 +8,14 @@ goes on, else the token is emitted and the cycle ends.  Every emitted token is t
 from the target's distribution given the tokens before it, whatever the tree holds, so the
 output's distribution is the target's exactly.  (The chain's ``min(1, p/q)`` rule is not
 used here: applied child by child to a tree built from top-k candidates it is biased.)
+
+A sampled tree's first path was drawn from the drafter's rows ``q`` as a chain's draft is.
+At a node of that path the drawn child is judged as the chain judges it: accepted with
+probability min(1, p/q) of its token; on rejection the token comes from normalize(max(p -
+q, 0)), and if another child holds it the walk moves there.  The emitted token is then
+drawn from min(p, q) + max(p - q, 0) = p, as at any other node, so the output stays exact;
+and the walk goes on with at least the chain's probability at every node of the path (the
+chain's min(1, p/q), plus what the residual puts on the siblings).
 """
 
 from typing import List, Optional, Tuple
@@ -63,10 +71,10 @@ def node_rows(logits: mx.array, history: mx.array, tree: Tree, nodes: List[int],
 
 
 def accept(tree: Tree, logits: mx.array, history: mx.array, processors: Optional[list],
-           params: SamplingParams) -> Tuple[List[int], int, mx.array]:
-    """Walk the verified ``tree`` (``logits`` [n, V], the pass's rows): (the accepted path's
-    nodes, the anchor first; the target's token after it; the log-probabilities of the
-    path's rows)."""
+           params: SamplingParams, q: Optional[mx.array] = None) -> Tuple[List[int], int, mx.array]:
+    """Walk the verified ``tree`` (``logits`` [n, V], the pass's rows; ``q`` [tree.drawn, V],
+    the rows its drawn path came from): (the accepted path's nodes, the anchor first; the
+    target's token after it; the log-probabilities of the path's rows)."""
     children = tree.children()
     if params.greedy and not processors:  # every row at once: one read
         rows = log_softmax(logits.astype(mx.float32))
@@ -83,8 +91,15 @@ def accept(tree: Tree, logits: mx.array, history: mx.array, processors: Optional
         if params.greedy:
             token = int(mx.argmax(row, axis=-1).item())
         else:
+            p = probs(row, params)[0]
+            if node < tree.drawn:  # the drawn child first, as the chain judges its draft
+                drawn = int(tree.tokens[node + 1])
+                if (mx.random.uniform() * q[node, drawn] < p[drawn]).item():
+                    path.append(node + 1)
+                    continue
+                p = mx.maximum(p - q[node], 0)
             noise = mx.random.gumbel(shape=(row.shape[-1],))
-            token = int(mx.argmax(mx.log(probs(row, params)[0]) + noise).item())
+            token = int(mx.argmax(mx.log(p) + noise).item())
         if token not in children[node]:
             return path, token, mx.concatenate(rows)
         path.append(children[node][token])

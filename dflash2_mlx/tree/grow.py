@@ -12,7 +12,7 @@ best first, until it holds ``budget`` nodes.
 
 import heapq
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -25,10 +25,13 @@ GREEDY_TEMPERATURE = 1.5
 @dataclass
 class Tree:
     """Nodes in the order the verify pass reads them, node 0 the anchor; every node after
-    its parent.  ``tokens`` [n], ``parents`` [n] (-1 for the anchor), ``depths`` [n]."""
+    its parent.  ``tokens`` [n], ``parents`` [n] (-1 for the anchor), ``depths`` [n].
+    ``drawn``: nodes 1..drawn are a path drawn from the drafter's rows (node i the child of
+    node i - 1), which acceptance judges with those rows; 0 for a greedy tree."""
     tokens: np.ndarray
     parents: np.ndarray
     depths: np.ndarray
+    drawn: int = 0
 
     @property
     def size(self) -> int:
@@ -66,10 +69,12 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
         return x - top - np.log(np.sum(np.exp(x - top), axis=-1, keepdims=True))
 
 
-def grow(anchor: int, cand: np.ndarray, scores: np.ndarray, budget: int, temperature: float = 1.0) -> Tree:
+def grow(anchor: int, cand: np.ndarray, scores: np.ndarray, budget: int, temperature: float = 1.0,
+         drawn: Optional[np.ndarray] = None) -> Tree:
     """The tree of ``budget`` nodes (at most depth D) over the lattice ``cand`` [D, k] (token
     ids) and ``scores`` [D, k, k] (row a of position 1 is the anchor's, for every a).  Paths are
-    ranked by their probability under softmax(scores / temperature)."""
+    ranked by their probability under softmax(scores / temperature).  ``drawn``: the tokens
+    the walk drew (sampling), the tree's first path instead of the argmax walk's."""
     D, k = cand.shape
     logp = log_softmax(scores / max(temperature, 1e-6))  # [D, k, k]
     # nodes: (candidate index, lattice position); the anchor is (0, -1)
@@ -87,14 +92,18 @@ def grow(anchor: int, cand: np.ndarray, scores: np.ndarray, budget: int, tempera
     def row(node: int) -> np.ndarray:  # log-probs of the node's children
         return logp[depths[node], index[node]]
 
-    # The walk's path: the argmax child at each depth (ties to the lowest candidate index).
+    # The walk's path: the argmax child at each depth (ties to the lowest candidate index),
+    # or the path it drew.
     node = 0
-    while len(tokens) <= budget and depths[node] < D:
+    while len(tokens) <= budget and depths[node] < (D if drawn is None else min(D, drawn.size)):
         r = row(node)
-        c = int(np.argmax(r))
+        c = int(np.argmax(r)) if drawn is None else lattice_index(cand, scores, depths[node], int(drawn[depths[node]]))
         node = add(node, c, total[node] + r[c])
+        if drawn is not None:
+            tokens[-1] = int(drawn[depths[node] - 1])
+    first = len(tokens) - 1
     # Then best first: the frontier is every child not yet in the tree.
-    taken = {(parents[i], index[i]) for i in range(1, len(tokens))}
+    taken = {(parents[i], tokens[i]) for i in range(1, len(tokens))}
     frontier = []
 
     def offer(node: int):
@@ -102,7 +111,7 @@ def grow(anchor: int, cand: np.ndarray, scores: np.ndarray, budget: int, tempera
             return
         r = row(node)
         for c in range(k):
-            if (node, c) not in taken and np.isfinite(r[c]):
+            if (node, int(cand[depths[node], c])) not in taken and np.isfinite(r[c]):
                 heapq.heappush(frontier, (-(total[node] + r[c]), node, c))
 
     for i in range(len(tokens)):
@@ -111,4 +120,16 @@ def grow(anchor: int, cand: np.ndarray, scores: np.ndarray, budget: int, tempera
         neg, parent, c = heapq.heappop(frontier)
         offer(add(parent, c, -neg))
     return Tree(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64),
-                np.array(depths, dtype=np.int64))
+                np.array(depths, dtype=np.int64), first if drawn is not None else 0)
+
+
+def lattice_index(cand: np.ndarray, scores: np.ndarray, t: int, token: int) -> int:
+    """The candidate of position t + 1 that is ``token``.  A token outside the lattice (a
+    DFlash 1 drafter samples the whole vocabulary) takes candidate 0's row, which is every
+    candidate's there; a selector's walk only draws candidates."""
+    hit = np.flatnonzero(cand[t] == token)
+    if hit.size:
+        return int(hit[0])
+    if not np.array_equal(scores[t + 1:t + 2].min(axis=1), scores[t + 1:t + 2].max(axis=1)):
+        raise ValueError(f"drawn token {token} is not a candidate of block position {t + 1}")
+    return 0
