@@ -135,7 +135,7 @@ def test_a_recurrent_layer_without_a_known_mixer_verifies_chains(pairs):
     model, tok, drafters = pairs["qwen3"]
     target = attach(model, drafters[2])
     why = trees.fits(target, target.make_cache() + [ArraysCache(2)], 9)
-    assert why == "recurrent layers without a mixer a tree pass can run node by node"
+    assert why == "recurrent layers without a mixer a tree pass reads"
 
 
 def test_sliding_window_trees_stop_at_the_window_and_stay_exact(pairs):

@@ -10,16 +10,9 @@ model's own call; inside, every row rotated at its node's position).
 After the pass the caches hold every node; ``compact`` moves the accepted path's entries to
 consecutive positions and trims the rest: a key at depth d was rotated at anchor + d, where
 the path puts it.  Trees need trimmable caches (full attention, quantized or not, and
-sliding-window layers while the pass stays inside the window) or recurrent layers whose
-mixer the pass can run node by node.
-
-A recurrent layer (qwen3_5, qwen3_next: GatedDeltaNet's conv and state) has no mask to
-give: a node's output depends on the state its own path leaves.  Its mixer (the model's
-own ``linear_attn``, given a subclass active only in a tree pass) runs the tree one depth
-at a time, the nodes of a depth as a batch of one-token steps, each from its parent's state
-(the anchor from the cache's); every node's state is kept, and ``compact`` puts the
-accepted node's into the cache: the state is the one the accepted path alone leaves,
-without a second pass.
+sliding-window layers while the pass stays inside the window) and recurrent layers whose
+mixer ``recurrent.py`` reads (hybrid targets: each node's state kept, the accepted one's
+put in the cache).
 """
 
 from typing import List, Optional
@@ -29,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
+from . import recurrent
 from .grow import Tree
 
 _masking_classes = {}
@@ -75,60 +69,6 @@ class TreeRope(nn.Module):
         return mx.concatenate(out, axis=-2)
 
 
-_recurrent_classes = {}
-
-# The attribute name of the recurrent mixers a tree pass runs node by node (GatedDeltaNet in
-# mlx-lm's qwen3_5, qwen3_5_moe and qwen3_next, called as (x, mask, cache)).
-RECURRENT = "linear_attn"
-
-
-def _node_by_node(cls):
-    if cls not in _recurrent_classes:
-
-        def __call__(self, x, mask=None, cache=None):
-            tree = object.__getattribute__(self, "_dflash_tree")[0]
-            if tree is None or cache is None or x.shape[1] != tree.tokens.size:
-                return cls.__call__(self, x, mask, cache)
-            return recurrent_nodes(lambda rows, step: cls.__call__(self, rows, None, step), x, cache, tree)
-
-        _recurrent_classes[cls] = type(f"TreeWise{cls.__name__}", (cls,), {"__call__": __call__})
-    return _recurrent_classes[cls]
-
-
-def recurrent_nodes(mixer, x: mx.array, cache: ArraysCache, tree: Tree) -> mx.array:
-    """A recurrent ``mixer``'s rows [1, n, H] for the tree's nodes, each after its own path;
-    every node's state is left on the cache for ``compact`` (the cache itself is unchanged)."""
-    n = tree.tokens.size
-    out, states = [None] * n, [None] * n
-    for d in range(int(tree.depths.max()) + 1):
-        idx = np.flatnonzero(tree.depths == d)
-        step = ArraysCache(len(cache.cache))
-        if d == 0:
-            step.cache = list(cache.cache)
-        else:
-            step.cache = [mx.concatenate([states[p][j] for p in tree.parents[idx]]) for j in range(len(cache.cache))]
-        y = mixer(x[0, mx.array(idx)][:, None], step)  # [nodes, 1, H]: one-token steps
-        for r, i in enumerate(idx):
-            out[i] = y[r]
-            states[i] = [c[r : r + 1] for c in step.cache]
-    object.__setattr__(cache, "_dflash_tree_states", states)
-    return mx.concatenate(out)[None]
-
-
-def _install_recurrent(target) -> int:
-    """Give the target's recurrent mixers their node-by-node subclass (once); how many."""
-    if target._tree_recurrent is None:
-        holder = [None]
-        mixers = [m for name, m in target.model.named_modules()
-                  if name.rsplit(".", 1)[-1] == RECURRENT and isinstance(m, nn.Module)]
-        for m in mixers:
-            if not type(m).__name__.startswith("TreeWise"):
-                m.__class__ = _node_by_node(type(m))
-            object.__setattr__(m, "_dflash_tree", holder)
-        target._tree_recurrent = (holder, len(mixers))
-    return target._tree_recurrent[1]
-
-
 def install(target) -> bool:
     """Wrap the target's attention ropes (once per model); False where it has none."""
     if target._tree_depths is None:
@@ -149,17 +89,19 @@ def fits(target, cache: list, rows: int) -> Optional[str]:
         return "a pipeline target verifies chains"
     if target.exact:
         return "exact verify reads one row at a time (a chain)"
-    recurrent = 0
+    layers = 0  # recurrent
     for c in cache:
         if isinstance(c, RotatingKVCache):
             if c.offset + rows >= c.max_size:
                 return "the tree would reach a sliding window"
         elif isinstance(c, ArraysCache):
-            recurrent += 1
+            layers += 1
         elif not c.is_trimmable():
             return "recurrent layers cannot take a tree"
-    if recurrent and _install_recurrent(target) != recurrent:
-        return "recurrent layers without a mixer a tree pass can run node by node"
+    if layers and target._tree_recurrent is None:
+        target._tree_recurrent = recurrent.install(target.model)
+    if layers and target._tree_recurrent[1] != layers:
+        return "recurrent layers without a mixer a tree pass reads"
     if not install(target):
         return "the target has no rope to place tree nodes"
     return None
@@ -179,12 +121,12 @@ def tree_pass(target, tree: Tree, cache: list):
         c.__class__ = _masking(type(c))
         object.__setattr__(c, "_dflash_tree_mask", mask)
     target._tree_depths[0] = mx.array(tree.depths.astype(np.int32))
-    recurrent = target._tree_recurrent[0] if target._tree_recurrent else [None]
-    recurrent[0] = tree
+    holder = target._tree_recurrent[0] if target._tree_recurrent else [None]
+    holder[0] = tree
     try:
         return target(mx.array(tree.tokens[None].astype(np.int32)), cache)
     finally:
-        target._tree_depths[0] = recurrent[0] = None
+        target._tree_depths[0] = holder[0] = None
         for c, cls in zip(attention, classes):
             c.__class__ = cls
             object.__delattr__(c, "_dflash_tree_mask")
@@ -194,9 +136,7 @@ def compact(cache: list, rows: int, path: List[int]):
     """Keep the entries of the nodes ``path`` (the anchor first) of the latest tree pass over
     ``rows`` nodes, at consecutive positions; drop the rest."""
     n = len(path)
-    for c in cache:  # a recurrent layer: the state the accepted node's path left
-        if isinstance(c, ArraysCache):
-            c.cache = list(c.__dict__.pop("_dflash_tree_states")[path[-1]])
+    recurrent.keep(cache, path[-1])
     cache = [c for c in cache if not isinstance(c, ArraysCache)]
     if path == list(range(n)):  # already in place: a prefix of the pass
         for c in cache:
