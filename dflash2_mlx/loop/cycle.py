@@ -70,6 +70,7 @@ class Sequence:
     last: Optional[int] = None
     saved: Optional[list] = None
     kept: Optional[mx.array] = None
+    as_path: bool = False
 
     def out(self, token: int, logprobs: mx.array, from_draft: bool = False) -> tuple:
         """What the steps yield for ``token``."""
@@ -78,17 +79,26 @@ class Sequence:
 
     def verify(self, block: mx.array) -> Tuple[mx.array, mx.array]:
         """One target pass over ``block``, from a snapshot of the caches: its processed
-        logits and features."""
+        logits and features.  On a hybrid target the block goes through a tree pass of one
+        path where it can: its recurrent layers then keep every row's state, and ``keep``
+        takes the kept row's instead of reading the kept tokens again."""
         self.kv(self.cache)
         self.saved = snapshot(self.cache)
-        logits, features = self.target.verify_pass(block[None], self.cache)
+        self.as_path = self.target.needs_replay(self.cache) and trees.fits(self.target, self.cache, block.size) is None
+        if self.as_path:
+            logits, features = trees.tree_pass(self.target, trees.path_tree(np.array(block)), self.cache)
+        else:
+            logits, features = self.target.verify_pass(block[None], self.cache)
         return processed_logits(logits[0], self.history, block, self.processors), features
 
     def keep(self, block: mx.array, features: mx.array, n: int):
         """Keep the first ``n`` tokens of the verified ``block``: the caches rolled back to
         them, their features into the draft context."""
         self.kept = block[:n]
-        rollback(self.target, self.cache, self.saved, block.size, self.kept[None])
+        if self.as_path:
+            trees.compact(self.cache, block.size, list(range(n)))
+        else:
+            rollback(self.target, self.cache, self.saved, block.size, self.kept[None])
         self.context.add(features[:, :n])
         self.history = mx.concatenate([self.history, self.kept])
 

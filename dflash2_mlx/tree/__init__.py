@@ -4,6 +4,8 @@
                     through the drafter's lattice, best first, up to a budget of nodes
     target_pass.py  one target pass over the tree (ancestor mask, positions by depth) and
                     the caches compacted to the accepted path; ``fits``: where a tree can run
+    recurrent.py    hybrids' recurrent layers in a tree pass: each node from its parent's
+                    state, every node's state kept
     budget.py       ``auto``: the candidates the cost curve names, chosen among by the cycles'
                     own tokens per second (``Arms``)
     accept.py       the lattice of a drafter pass; exact acceptance (greedy, or sampled from
@@ -17,8 +19,8 @@ MAX_BUDGET = 64
 
 from .accept import accept, lattice  # noqa: E402
 from .budget import Arms, check_budget, choose  # noqa: E402
-from .grow import GREEDY_TEMPERATURE, Tree, grow  # noqa: E402
+from .grow import GREEDY_TEMPERATURE, Tree, grow, path_tree  # noqa: E402
 from .target_pass import compact, fits, tree_pass  # noqa: E402
 
 __all__ = ["GREEDY_TEMPERATURE", "MAX_BUDGET", "Arms", "Tree", "accept", "check_budget", "choose", "compact", "fits", "grow", "lattice",
-           "tree_pass"]
+           "path_tree", "tree_pass"]

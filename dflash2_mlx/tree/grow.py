@@ -61,6 +61,13 @@ class Tree:
         return path[::-1]
 
 
+def path_tree(tokens: np.ndarray) -> Tree:
+    """A block [anchor, d1 .. d_{b-1}] as a tree of one path (a chain's verify through a tree
+    pass: a hybrid's recurrent layers then keep every row's state)."""
+    n = tokens.size
+    return Tree(np.asarray(tokens, dtype=np.int64), np.arange(n, dtype=np.int64) - 1, np.arange(n, dtype=np.int64))
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = np.where(np.isnan(x), -np.inf, x.astype(np.float64))
     top = np.max(x, axis=-1, keepdims=True)

@@ -67,7 +67,8 @@ def tree_layer(m, x: mx.array, cache: ArraysCache, tree: Tree) -> mx.array:
     K, n = m.conv_kernel_size, tree.tokens.size
     conv_state = cache[0] if cache[0] is not None else mx.zeros((1, K - 1, qkv.shape[-1]), dtype=qkv.dtype)
     rows = mx.concatenate([conv_state, qkv], axis=1)[0]
-    window = rows[mx.array(windows(tree, K))]  # [n, K, C]
+    win = windows(tree, K)
+    window = rows[mx.array(win)]  # [n, K, C]
     conv_out = nn.silu(m.conv1d(window))  # [n, 1, C]: each node's window alone
     q, k, v = [t.reshape(n, 1, h, d) for t, h, d in zip(
         mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
@@ -82,13 +83,12 @@ def tree_layer(m, x: mx.array, cache: ArraysCache, tree: Tree) -> mx.array:
         start = cache[1] if d == 0 else mx.concatenate([states[p] for p in tree.parents[idx]])
         out, state = gated_delta_update(q[at], k[at], v[at], a[at], b[at], m.A_log, m.dt_bias, start,
                                         None, use_kernel=not m.training)
-        for r, i in enumerate(idx):
-            states[i] = state[r : r + 1]
+        for r, i in enumerate(idx):  # gathers, not slices: a kept slice would hold the batch
+            states[i] = mx.take(state, mx.array([r]), axis=0)
         outs.append(out)
         order.extend(idx)
     out = mx.concatenate(outs)[mx.array(np.argsort(np.array(order)))]  # [n, 1, Hv, Dv] in node order
-    conv = window[:, 1:]
-    object.__setattr__(cache, "_dflash_tree_states", [[conv[i : i + 1], states[i]] for i in range(n)])
+    object.__setattr__(cache, "_dflash_tree_states", [[rows[mx.array(win[i, 1:])][None], states[i]] for i in range(n)])
     out = m.norm(out.reshape(1, n, *out.shape[2:]), z)
     return m.out_proj(out.reshape(1, n, -1))
 
