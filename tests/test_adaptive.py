@@ -737,21 +737,19 @@ def test_sampled_tokens_follow_target_distribution_under_adaptive(tmp_path, vers
     assert p > 1e-3, f"sampled tokens do not follow the target distribution (p = {p:.2e})"
 
 
-def refined(cost, rows, long_cost=None):
-    """The rows calibration measures for a machine whose pass over b rows costs cost(b) at
-    the short context (and long_cost(b) at the long one, default the same): the initial
-    ones, then the middles its refinement asks for (as ``calibrate`` runs it)."""
+def refined(cost, rows):
+    """The rows calibration measures for a machine whose pass over b rows costs cost(b): the
+    initial ones, then the middles its refinement asks for (as ``calibrate`` runs it)."""
     from dflash2_mlx.adaptive.costs import REFINE_ROUNDS, stepped_halves, uneven_gaps
 
-    curves = [{b: f(b) for b in rows} for f in (cost, long_cost or cost)]
-    gaps = uneven_gaps(curves)
+    curve = {b: cost(b) for b in rows}
+    gaps = uneven_gaps(curve)
     for _ in range(REFINE_ROUNDS):
         if not gaps:
             break
-        for c, f in zip(curves, (cost, long_cost or cost)):
-            c.update({(lo + hi) // 2: f((lo + hi) // 2) for lo, hi in gaps})
-        gaps = stepped_halves(curves, gaps)
-    return curves[0]
+        curve.update({(lo + hi) // 2: cost((lo + hi) // 2) for lo, hi in gaps})
+        gaps = stepped_halves(curve, gaps)
+    return curve
 
 
 def test_calibration_finds_a_step_between_the_rows_it_measures():
@@ -767,9 +765,6 @@ def test_calibration_finds_a_step_between_the_rows_it_measures():
     assert all(interp(lines, b)[0] == pytest.approx(cliff(b)) for b in range(1, LARGEST_ROWS + 1))
     even = lambda b: 1.0 + 0.1 * b
     assert len(refined(even, rows)) - len(set(rows)) <= 4
-    # A step only the long context's curve has (attention's tiles over a long cache) is
-    # bracketed too, and measured at both contexts.
-    assert {24, 25} <= set(refined(even, rows, long_cost=lambda b: even(b) + cliff(b)))
 
 
 def test_calibration_keeps_a_machines_steps_and_clamps_noise():

@@ -22,7 +22,7 @@ STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
 BUSY_RETRY_S = 120.0  # ... one measured while other processes used the machine, after this
 CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
-CALIBRATION = 9  # bumped when calibrate() measures differently: older cost files are remeasured
+CALIBRATION = 8  # bumped when calibrate() measures differently: older cost files are remeasured
 # A block measured dearer than a larger one by more than this is measured again (REDO_ROUNDS
 # rounds, interleaved with the larger ones); if it still is, it is a step of the machine's.
 STEP = 1.25
@@ -123,9 +123,8 @@ def _timed(fn) -> float:
 def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = (3, 8),
               sizes: Optional[List[int]] = None, redo: bool = True) -> CostModel:
     """Measure target passes over every block up to 8 rows (and B, COPY_ROWS for copies
-    wider than B, TREE_ROWS for trees, LARGEST_ROWS, and the middles where either curve is not
-    straight) at a short and a long context, drafter steps with blocks 2 and B (and
-    ``sizes``) at the short one and B at the long one, and fit ``base + slope * context`` per block size (others
+    wider than B, and TREE_ROWS for trees) and drafter steps with blocks 2 and B (and ``sizes``) at a short context,
+    1 and B rows at a long one, and fit ``base + slope * context`` per block size (others
     are interpolated).  Every small block is measured because a verify pass's cost is far
     from linear in its rows: a middle block interpolated from its neighbours is priced
     below its cost, which sends adaptive decoding to blocks larger than pay.  Each point keeps
@@ -175,7 +174,8 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     sizes = sorted(set(sizes or []) | {2, B})
     rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B} | set(TREE_ROWS)
                   | {LARGEST_ROWS})
-    points = ([(target_pass, b, n) for n in CONTEXTS for b in [1] + rows]
+    points = ([(target_pass, b, short) for b in [1] + rows]
+              + [(target_pass, b, long) for b in {1, B, *TREE_ROWS}]
               + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
     target_pass(2, short)  # warm-up: one pass is enough (a plain chain is four)
     best = {p: float("inf") for p in points}
@@ -192,16 +192,16 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
         now = time.perf_counter()
         if r + 1 >= rounds[0] and now + (now - start) - tic > budget_s:
             break
-    curves = lambda: [{p[1]: best[p] for p in best if p[0] is target_pass and p[2] == n} for n in CONTEXTS]
-    gaps = uneven_gaps(curves()) if redo else []
+    curve = lambda: {p[1]: best[p] for p in best if p[0] is target_pass and p[2] == short}
+    gaps = uneven_gaps(curve()) if redo else []
     for _ in range(REFINE_ROUNDS):
         if not gaps:
             break
-        middles = [(target_pass, (lo + hi) // 2, n) for lo, hi in gaps for n in CONTEXTS]
+        middles = [(target_pass, (lo + hi) // 2, short) for lo, hi in gaps]
         best.update({p: float("inf") for p in middles})
         measure(middles, rounds[0])
         rows = sorted(set(rows) | {p[1] for p in middles})
-        gaps = stepped_halves(curves(), gaps)
+        gaps = stepped_halves(curve(), gaps)
     for step, n in {(p[0], p[2]) for p in points}:
         mine = {p[1]: p for p in best if p[0] is step and p[2] == n}
         inverted = [b for b in mine if any(best[mine[b2]] * STEP < best[mine[b]] for b2 in mine if b2 > b)]
@@ -227,24 +227,23 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
                      calibration_s=time.perf_counter() - tic, busy=watch.others())
 
 
-def uneven_gaps(curves: List[Dict[int, float]]) -> List[Tuple[int, int]]:
-    """Neighbouring row counts (measured in every one of ``curves``, the contexts' curves)
-    with rows between them whose costs differ by more than LINEAR (either way) in any curve:
-    a curve may step somewhere in there."""
-    keys = sorted(set.intersection(*(set(c) for c in curves)))
+def uneven_gaps(curve: Dict[int, float]) -> List[Tuple[int, int]]:
+    """Neighbouring row counts of ``curve`` with rows between them whose costs differ by
+    more than LINEAR (either way): the curve may step somewhere in there."""
+    keys = sorted(curve)
     return [(lo, hi) for lo, hi in zip(keys, keys[1:])
-            if hi - lo > 1 and any(abs(c[hi] - c[lo]) > LINEAR * min(c[hi], c[lo]) for c in curves)]
+            if hi - lo > 1 and abs(curve[hi] - curve[lo]) > LINEAR * min(curve[hi], curve[lo])]
 
 
-def stepped_halves(curves: List[Dict[int, float]], gaps: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+def stepped_halves(curve: Dict[int, float], gaps: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
     """After each gap's middle was measured: the halves of the gaps whose middle lies off the
-    straight line through its ends by more than LINEAR in any curve (a step is in one of
-    them); a middle on the line says the gap rises evenly, and it is left."""
+    straight line through its ends by more than LINEAR (a step is in one of them); a middle
+    on the line says the gap rises evenly, and it is left."""
     out = []
     for lo, hi in gaps:
         m = (lo + hi) // 2
-        lines = [c[lo] + (c[hi] - c[lo]) * (m - lo) / (hi - lo) for c in curves]
-        if any(abs(c[m] - line) > LINEAR * line for c, line in zip(curves, lines)):
+        line = curve[lo] + (curve[hi] - curve[lo]) * (m - lo) / (hi - lo)
+        if abs(curve[m] - line) > LINEAR * line:
             out += [(a, b) for a, b in ((lo, m), (m, hi)) if b - a > 1]
     return out
 
