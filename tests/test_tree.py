@@ -77,13 +77,18 @@ def test_trees_accept_more_than_the_chain_somewhere(pairs):
     assert max(gains) > 0.2, gains
 
 
-@pytest.fixture(scope="module")
-def wide_heads(tmp_path_factory):
-    """A qwen3 pair with heads of 32 (mlx-lm quantizes KV caches in groups of 32 or more)."""
-    root = tmp_path_factory.mktemp("kv")
-    make_target(root / "t", "qwen3", alphabet="abcd", seed=3, scale=2.0, head_dim=32)
+def wide_pair(tmp_path_factory, family: str):
+    """A ``family`` pair with attention heads of 32 (mlx-lm quantizes KV caches in groups of
+    32 or more)."""
+    root = tmp_path_factory.mktemp(f"kv-{family}")
+    make_target(root / "t", family, alphabet="abcd", seed=3, scale=2.0, head_dim=32)
     make_drafter(root / "d", root / "t", version=2, seed=13)
     return d.load(str(root / "t"), str(root / "d"))
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    return wide_pair(tmp_path_factory, "qwen3")
 
 
 @pytest.mark.parametrize("start", [0, 12])
@@ -111,11 +116,7 @@ def test_greedy_parity_with_a_logits_processor(pairs):
 
 @pytest.fixture(scope="module")
 def wide_hybrid(tmp_path_factory):
-    """A qwen3_5 (hybrid) pair with attention heads of 32, for KV quantization."""
-    root = tmp_path_factory.mktemp("kv-hybrid")
-    make_target(root / "t", "qwen3_5", alphabet="abcd", seed=3, scale=2.0, head_dim=32)
-    make_drafter(root / "d", root / "t", version=2, seed=13)
-    return d.load(str(root / "t"), str(root / "d"))
+    return wide_pair(tmp_path_factory, "qwen3_5")
 
 
 def test_hybrid_trees_with_quantized_kv(wide_hybrid):
