@@ -11,7 +11,7 @@ best first, until it holds ``budget`` nodes.
 """
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import numpy as np
@@ -32,6 +32,7 @@ class Tree:
     parents: np.ndarray
     depths: np.ndarray
     drawn: int = 0
+    derived: dict = field(default_factory=dict, repr=False, compare=False)  # what every layer of a pass reads
 
     @property
     def size(self) -> int:

@@ -52,13 +52,16 @@ def _front(m, x: mx.array):
 
 def windows(tree: Tree, width: int) -> np.ndarray:
     """[n, width] rows of [conv state (width - 1 rows), nodes...] each node's conv reads: its
-    last ancestors, then itself."""
-    n, pad = tree.tokens.size, width - 1
-    out = np.zeros((n, width), dtype=np.int32)
-    for i in range(n):
-        prev = out[tree.parents[i]] if i else np.arange(width, dtype=np.int32) - 1
-        out[i] = np.append(prev[1:], pad + i)
-    return out
+    last ancestors, then itself (worked out once per tree: every recurrent layer reads it)."""
+    key = ("windows", width)
+    if key not in tree.derived:
+        n, pad = tree.tokens.size, width - 1
+        out = np.zeros((n, width), dtype=np.int32)
+        for i in range(n):
+            prev = out[tree.parents[i]] if i else np.arange(width, dtype=np.int32) - 1
+            out[i] = np.append(prev[1:], pad + i)
+        tree.derived[key] = out
+    return tree.derived[key]
 
 
 def tree_layer(m, x: mx.array, cache: ArraysCache, tree: Tree) -> mx.array:
