@@ -8,7 +8,8 @@ measured per method and temperature, and prices each method's cycle with each co
     speed over plain = tau / (c(rows) + d)
 
 where c(rows) is what a verify pass over ``rows`` costs in one-row passes (plain: rows 1,
-tau 1, no draft; a chain of block b: rows b; a tree of N nodes: rows N + 1), and d the
+tau 1, no draft; a chain of block b: rows b; a tree of N nodes, as deep as the drafter's
+block reaches: rows N + 1), and d the
 drafter's pass in one-row passes.  Curves: this machine's calibrated cost model (the one
 ``--block-size auto`` uses, at ``--context`` tokens) and the named fixtures in
 ``dflash2_mlx/adaptive/curves/``.  Prints a markdown table; nothing here is measured but tau
@@ -33,7 +34,7 @@ def methods(report: dict, temp: str) -> dict:
         elif (hit := re.fullmatch(r"DFlash 2 block (\d+)", m)):
             out[f"chain b{hit[1]}"] = (int(hit[1]), r["tau"])
         elif (hit := re.fullmatch(r"DFlash 2 tree (\d+)", m)):
-            out[f"tree {hit[1]} (b{fixed})"] = (int(hit[1]) + 1, r["tau"])
+            out[f"tree {hit[1]}"] = (int(hit[1]) + 1, r["tau"])
     return out
 
 
