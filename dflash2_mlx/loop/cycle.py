@@ -163,11 +163,12 @@ def tree_cycle(seq: Sequence, anchor: int, b: int, budget: int) -> Tuple[List[in
     drafter, params = seq.drafter, seq.params
     # Draft + propose: one drafter pass, its lattice, the walk's path and the likeliest others.
     hidden = drafter(mx.array([[anchor] + [drafter.config.mask_token_id] * (b - 1)]), seq.context.fed())
-    cand, scores = trees.lattice(drafter, hidden, anchor)
+    logits = drafter.logits(hidden[0, 1:])
+    cand, scores = trees.lattice(drafter, hidden, anchor, logits)
     if params.greedy:
         tree, q = trees.grow(anchor, cand, scores, budget, trees.GREEDY_TEMPERATURE), None
     else:  # the path the walk draws first, judged as a chain's draft
-        draft, q = propose(drafter, hidden, mx.array(anchor), params)
+        draft, q = propose(drafter, hidden, mx.array(anchor), params, logits)
         tree = trees.grow(anchor, cand, scores, budget, params.temp, drawn=np.array(draft))
     # Verify: one target pass over every node, each reading only its own path.
     rows, features = seq.verify_tree(tree)

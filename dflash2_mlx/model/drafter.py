@@ -7,7 +7,7 @@ anchor's position).  The drafter owns no embedding and no LM head: ``bind``
 attaches the target's, which stay frozen.
 """
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -273,14 +273,15 @@ class Drafter(nn.Module):
         return self.norm(h)
 
 
-def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params):
+def propose(drafter: Drafter, hidden: mx.array, anchor: mx.array, params, logits: Optional[mx.array] = None):
     """Draft tokens for block positions 1..B-1 and the rows ``q`` they came from.
 
-    hidden: [1, B, H] drafter states of the block.  v1 picks per position (argmax or
-    a sample of the drafter's own distribution); v2 walks the selector's lattice.
-    ``q`` is [B-1, V] over the whole vocabulary (None at temperature 0)."""
+    hidden: [1, B, H] drafter states of the block (``logits``: the drafter's of positions
+    1..B-1, when the caller has them).  v1 picks per position (argmax or a sample of the
+    drafter's own distribution); v2 walks the selector's lattice.  ``q`` is [B-1, V] over
+    the whole vocabulary (None at temperature 0)."""
     h = hidden[0, 1:]
-    logits = drafter.logits(h)
+    logits = drafter.logits(h) if logits is None else logits
     if drafter.version == 1:
         if params.greedy:
             return drafter.token_ids(mx.argmax(logits, axis=-1)), None

@@ -32,11 +32,12 @@ from .grow import Tree
 V1_TOP_K = 16
 
 
-def lattice(drafter, hidden: mx.array, anchor: int) -> Tuple[np.ndarray, np.ndarray]:
+def lattice(drafter, hidden: mx.array, anchor: int, logits: Optional[mx.array] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Candidates [D, k] (token ids) and scores [D, k, k] of block positions 1..D from the
-    drafter states ``hidden`` [1, D + 1, H] of [anchor, MASK ...]."""
+    drafter states ``hidden`` [1, D + 1, H] of [anchor, MASK ...] (``logits``: the drafter's
+    of those positions, when the caller has them)."""
     h = hidden[0, 1:]
-    logits = drafter.logits(h)
+    logits = drafter.logits(h) if logits is None else logits
     if drafter.version == 1:
         cand, unary = top_candidates(logits, min(V1_TOP_K, logits.shape[-1]))
         cand = drafter.token_ids(cand)
