@@ -501,6 +501,39 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     assert adaptive.cost_key(attach(other[0], other[2]), other[2]) != adaptive.cost_key(target, drafter)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_calibration_times_passes_as_the_loop_runs_them(pair, family, monkeypatch):
+    """A tree's rows (TREE_ROWS) are timed through a tree pass at most the drafter's block
+    deep; a hybrid's chains through a tree of one path (its recurrent layers keep each row's
+    state, as ``Sequence.verify`` runs them); an attention-only target's chains as plain
+    passes."""
+    from dflash2_mlx import tree as trees
+    from dflash2_mlx.adaptive.costs import TREE_ROWS
+
+    model, tok, drafter = pair[family]
+    target = attach(model, drafter)
+    depth = drafter.config.block_size - 1
+    passes = {}
+    real = trees.tree_pass
+
+    def tree_pass(target, tree, cache):
+        assert all(tree.parents[i] < i and tree.depths[i] == tree.depths[tree.parents[i]] + 1
+                   for i in range(1, tree.tokens.size))
+        passes[tree.tokens.size] = tree.depths.tolist()
+        return real(target, tree, cache)
+
+    monkeypatch.setattr(trees, "tree_pass", tree_pass)
+    costs = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1))
+    for rows in TREE_ROWS:
+        assert rows in passes and len(passes[rows]) == rows and max(passes[rows]) == min(depth, rows - 1)
+    chains = sorted(set(costs.target) - set(TREE_ROWS) - {1})
+    if family == "qwen3":
+        assert not set(chains) & set(passes)
+    else:
+        assert all(passes[b] == list(range(b)) for b in chains)
+    assert all(base > 0 and slope >= 0 for base, slope in costs.target.values())
+
+
 def test_a_calibration_on_a_busy_machine_is_measured_again_and_not_kept(pair, tmp_path, monkeypatch):
     """Every core busy with other processes while the pair is calibrated: the calibration is
     taken twice, said to be busy, serves this process for a while only, and no cost file is

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..loop.sampling import SamplingParams
@@ -22,7 +23,7 @@ STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
 BUSY_RETRY_S = 120.0  # ... one measured while other processes used the machine, after this
 CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
-CALIBRATION = 8  # bumped when calibrate() measures differently: older cost files are remeasured
+CALIBRATION = 10  # bumped when calibrate() measures differently: older cost files are remeasured
 # A block measured dearer than a larger one by more than this is measured again (REDO_ROUNDS
 # rounds, interleaved with the larger ones); if it still is, it is a step of the machine's.
 STEP = 1.25
@@ -136,6 +137,8 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     quantized matmul tiles from 8 rows: 8 rows cheaper than 5) is kept.  Without ``redo``
     nothing is measured again: the ranks of a split target calibrate together, pass for pass,
     and one rank's timings must not add passes the others do not run."""
+    from .. import tree as trees
+
     tic, watch = time.perf_counter(), Watch()
     B, mask = drafter.config.block_size, drafter.config.mask_token_id
     short, long = CONTEXTS
@@ -151,12 +154,16 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
 
     def target_pass(b, n):
         cache = caches[n][0]
+        tree = shaped(target, cache, b, B - 1) if b > 1 else None
         if b == 1:  # plain steps run pipelined (``loop/plain.py``): time a chain of them
             token = mx.zeros((1,), dtype=mx.int32)
             for _ in range(PLAIN_RUN):
                 token = mx.argmax(target(token[None], cache)[0][0, -1:], axis=-1)
                 mx.async_eval(token)
             mx.eval(token)
+        elif tree is not None:
+            mx.eval(trees.tree_pass(target, tree, cache))
+            trees.compact(cache, b, list(range(b)))  # the recurrent layers leave the tree pass
         else:
             mx.eval(target(mx.zeros((1, b), dtype=mx.int32), cache))
         for c in cache:
@@ -225,6 +232,30 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
 
     return CostModel(lines(target_pass, [1] + rows), lines(drafter_step, sizes),
                      calibration_s=time.perf_counter() - tic, busy=watch.others())
+
+
+def shaped(target, cache, rows: int, depth: int):
+    """The tree the loop verifies ``rows`` rows as, where it is one (else None, a plain
+    pass): a tree's rows (TREE_ROWS) as a tree at most ``depth`` deep, a hybrid's chain as
+    a tree of one path (``loop/cycle.py``: its recurrent layers then keep every row's state).
+    Their passes cost more than a plain one over as many rows (the ancestor mask; on a hybrid
+    the recurrence a depth at a time), and a curve that priced them as plain passes would
+    send the policy to them."""
+    from .. import tree as trees
+
+    if trees.fits(target, cache, rows) is not None:
+        return None
+    if rows in TREE_ROWS:  # depths 1..depth, over and over: a few deep paths and siblings
+        depths = [0] + [(i - 1) % depth + 1 for i in range(1, rows)]
+        last = {0: 0}
+        parents = [-1]
+        for i, d in enumerate(depths[1:], 1):
+            parents.append(last[d - 1])
+            last[d] = i
+        return trees.Tree(np.zeros(rows, np.int64), np.array(parents), np.array(depths))
+    if target.needs_replay(cache):
+        return trees.path_tree(np.zeros(rows, np.int64))
+    return None
 
 
 def uneven_gaps(curve: Dict[int, float]) -> List[Tuple[int, int]]:
