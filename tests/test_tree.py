@@ -10,6 +10,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from scipy import stats as sstats
 
 import dflash2_mlx as d
+from dflash2_mlx import adaptive
 from dflash2_mlx import tree as trees
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.sampling import SamplingParams, log_softmax, probs
@@ -519,6 +520,21 @@ def test_live_choice_tries_each_candidate_then_runs_the_fastest():
         n = arms.choose()
         arms.record(n, *((3.0, 0.10) if n == 4 else speed[n]))
     assert max(arms.candidates, key=arms.rate) == 4
+
+
+def test_auto_trees_under_the_adaptive_block_size(pairs, tmp_path, monkeypatch):
+    """``--verify-mode tree`` as a user runs it: tree budget and block size both "auto", no
+    cost curve given (the policy's, corrected by live timings, is there to be found)."""
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    adaptive.cost_models.clear()
+    model, tok, drafters = pairs["qwen3"]
+    prompt = tok.encode("abcab dcba")
+    target = attach(model, drafters[2])
+    policy = adaptive.policy(target, drafters[2], "auto", True)
+    assert isinstance(policy.costs, adaptive.Corrected)
+    out, stats = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, "auto", block_size=policy)
+    assert out == plain_tokens(model, prompt, MAX_TOKENS)
+    assert stats.trees > 0 or stats.chain_why
 
 
 def test_auto_trees_on_the_built_in_shaped_pair_are_plain_decodings(pairs):

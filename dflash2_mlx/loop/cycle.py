@@ -216,6 +216,9 @@ def speculative_generate_step(
     clock = Clock(policy)
     if tree_budget == "auto":
         costs = costs or getattr(policy, "costs", None) or adaptive.cost_model(target, drafter)
+        # The calibrated curve names the trees: a policy's live timing corrects a chain's or a
+        # copy's cycle, not a tree's (tree cycles are timed by ``trees.Arms`` itself).
+        costs = costs.costs if isinstance(costs, adaptive.Corrected) else costs
     arms = {}  # block size -> the live choice of its trees' nodes (tree_budget "auto")
     try:
         yield seq.out(anchor, logprobs[0])
