@@ -238,9 +238,8 @@ def shaped(target, cache, rows: int, depth: int):
     """The tree the loop verifies ``rows`` rows as, where it is one (else None, a plain
     pass): a tree's rows (TREE_ROWS) as a tree at most ``depth`` deep, a hybrid's chain as
     a tree of one path (``loop/cycle.py``: its recurrent layers then keep every row's state).
-    Their passes cost more than a plain one over as many rows (the ancestor mask; on a hybrid
-    the recurrence a depth at a time), and a curve that priced them as plain passes would
-    send the policy to them."""
+    A hybrid's such passes cost more than a plain one over as many rows (the recurrence runs
+    a depth at a time): priced as plain passes they would draw the policy to them."""
     from .. import tree as trees
 
     if trees.fits(target, cache, rows) is not None:
