@@ -568,6 +568,38 @@ def test_a_calibration_on_a_busy_machine_is_measured_again_and_not_kept(pair, tm
     assert costs.expired()  # ... then the next request measures again
 
 
+def test_split_target_costs_measured_among_busy_ranks_do_not_expire(pair, tmp_path, monkeypatch):
+    """Ranks that share cores see each other as other processes' work.  Costs all ranks
+    measured together (``agree.prepare_costs``) must not expire as a busy calibration does:
+    one rank alone would then measure again, each pass waiting for ranks not running it."""
+    import os
+    import subprocess
+    import sys
+
+    from dflash2_mlx.distributed import agree
+    from dflash2_mlx.machine.contention import BUSY_SHARE, Watch
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    adaptive.cost_models.clear()
+    model, tok, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    loaders = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        watch = Watch()
+        time.sleep(0.5)
+        assert watch.others() > BUSY_SHARE
+        agree.prepare_costs(target, drafter, mx.distributed.init())
+    finally:
+        for p in loaders:
+            p.kill()
+            p.wait(timeout=10)
+    costs = adaptive.cost_model(target, drafter)
+    costs.created -= adaptive.costs.BUSY_RETRY_S + 1  # minutes later
+    assert not costs.expired()
+    monkeypatch.setattr(adaptive.costs, "calibrate", lambda *a, **k: pytest.fail("one rank measured alone"))
+    assert adaptive.cost_model(target, drafter) is costs
+
+
 def test_history_seeds_the_next_request(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     model, tok, drafter = pair["qwen3"]

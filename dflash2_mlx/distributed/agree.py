@@ -105,5 +105,10 @@ def prepare_costs(target, drafter, group):
     missing = mx.distributed.all_sum(mx.array([int(costs is None)]), group=group).item()
     if missing:
         costs = calibrate(target, drafter, budget_s=0.0, rounds=CALIBRATION_ROUNDS, redo=False)
+        # Ranks sharing cores see each other as "other processes": a busy calibration would
+        # expire within minutes, and one rank alone would then measure again (``measured``),
+        # each of its passes waiting for ranks that are not running them.  Only all ranks
+        # together measure a split target again, here.
+        costs.busy = 0.0
         store.write(cache_dir() / f"costs-{key}.json", costs.to_json())
     cost_models[key] = costs
