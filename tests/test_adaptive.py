@@ -3,7 +3,11 @@ changing between cycles keeps the output lossless (greedy parity, caches equal a
 prefill, sampled tokens distributed as the target's), with fallback to plain decoding and
 recovery."""
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 
 import mlx.core as mx
@@ -20,6 +24,7 @@ from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.plain import shadow_chance
 from dflash2_mlx.loop.sampling import SamplingParams, log_softmax, sample, verify_sampled
 from dflash2_mlx.loop.target import attach
+from dflash2_mlx.machine.contention import BUSY_SHARE, Watch
 from dflash2_mlx.model.drafter import propose
 from helpers import cache_arrays, chi2_pvalue, exact_joint, plain_tokens
 from tiny_models import looping_pair, make_drafter, make_target
@@ -534,33 +539,34 @@ def test_calibration_times_passes_as_the_loop_runs_them(pair, family, monkeypatc
     assert all(base > 0 and slope >= 0 for base, slope in costs.target.values())
 
 
-def test_a_calibration_on_a_busy_machine_is_measured_again_and_not_kept(pair, tmp_path, monkeypatch):
-    """Every core busy with other processes while the pair is calibrated: the calibration is
-    taken twice, said to be busy, serves this process for a while only, and no cost file is
-    written (a quiet calibration is kept: the test above)."""
-    import os
-    import subprocess
-    import sys
-
-    from dflash2_mlx.machine.contention import BUSY_SHARE, Watch
-
-    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive.cost_models.clear()
-    model, tok, drafter = pair["qwen3"]
-    target = attach(model, drafter)
+@contextlib.contextmanager
+def busy_cores():
+    """Every core busy with other processes (checked to show as such) while the block runs."""
     loaders = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
         watch = Watch()
         time.sleep(0.5)
         assert watch.others() > BUSY_SHARE  # the loaders show as other processes' work
-        calls = []
-        real = adaptive.costs.calibrate
-        monkeypatch.setattr(adaptive.costs, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
-        costs = adaptive.cost_model(target, drafter)
+        yield
     finally:
         for p in loaders:
             p.kill()
             p.wait(timeout=10)
+
+
+def test_a_calibration_on_a_busy_machine_is_measured_again_and_not_kept(pair, tmp_path, monkeypatch):
+    """Every core busy with other processes while the pair is calibrated: the calibration is
+    taken twice, said to be busy, serves this process for a while only, and no cost file is
+    written (a quiet calibration is kept: the test above)."""
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    adaptive.cost_models.clear()
+    model, tok, drafter = pair["qwen3"]
+    target = attach(model, drafter)
+    with busy_cores():
+        calls = []
+        real = adaptive.costs.calibrate
+        monkeypatch.setattr(adaptive.costs, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+        costs = adaptive.cost_model(target, drafter)
     assert len(calls) == 2 and costs.busy > BUSY_SHARE
     assert not list((tmp_path / "adaptive").glob("costs-*.json"))
     assert adaptive.cost_model(target, drafter) is costs  # within BUSY_RETRY_S: this one serves
@@ -572,27 +578,14 @@ def test_split_target_costs_measured_among_busy_ranks_do_not_expire(pair, tmp_pa
     """Ranks that share cores see each other as other processes' work.  Costs all ranks
     measured together (``agree.prepare_costs``) must not expire as a busy calibration does:
     one rank alone would then measure again, each pass waiting for ranks not running it."""
-    import os
-    import subprocess
-    import sys
-
     from dflash2_mlx.distributed import agree
-    from dflash2_mlx.machine.contention import BUSY_SHARE, Watch
 
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     adaptive.cost_models.clear()
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
-    loaders = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    try:
-        watch = Watch()
-        time.sleep(0.5)
-        assert watch.others() > BUSY_SHARE
+    with busy_cores():
         agree.prepare_costs(target, drafter, mx.distributed.init())
-    finally:
-        for p in loaders:
-            p.kill()
-            p.wait(timeout=10)
     costs = adaptive.cost_model(target, drafter)
     costs.created -= adaptive.costs.BUSY_RETRY_S + 1  # minutes later
     assert not costs.expired()
