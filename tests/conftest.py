@@ -2,12 +2,16 @@
 prefix-cache pairs.  The repository root goes on sys.path, so tests import the scripts they
 check as modules (``scripts.recipe.make_domain_prompts``)."""
 
+import faulthandler
+import fcntl
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from dflash2_mlx.builtin.smollm2 import MODEL_DIR, cache_home
+from dflash2_mlx.builtin.smollm2 import MODEL_DIR, cache_home, default_target_path
+from dflash2_mlx.machine.contention import SIMULATED_ENV
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,13 +26,34 @@ def _session_home(tmp_path_factory):
     not steer a test, and the tests' tiny pairs leave no files in the user's cache.  The
     built-in model, once converted there, is linked in rather than converted again."""
     real, session = cache_home(), tmp_path_factory.mktemp("dflash2_mlx_home")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # The workers of one run share what a single session would: the built-in target's
+        # conversion and what is learned about each pair (its costs calibrated once).
+        shared = tmp_path_factory.getbasetemp().parent / "dflash2_mlx_shared_home"
+        (shared / "adaptive").mkdir(parents=True, exist_ok=True)
+        (session / "adaptive").symlink_to(shared / "adaptive")
+        if not (real / MODEL_DIR).exists():
+            real = _converted_once(shared)
     for name in (MODEL_DIR, "gguf"):
         if (real / name).exists():
             (session / name).symlink_to(real / name)
     patch = pytest.MonkeyPatch()
     patch.setenv("DFLASH2_MLX_HOME", str(session))
+    # The load other processes put on the machine is simulated (quiet unless a test says
+    # otherwise): CI hosts vary, and the suite runs two workers side by side.
+    patch.setenv(SIMULATED_ENV, "0")
     yield
     patch.undo()
+
+
+def _converted_once(home: Path) -> Path:
+    """The built-in target converted into ``home``, which the workers of one run share: the
+    first to get the lock converts it (download included), the others then find it."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        default_target_path(home)
+    return home
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "qwen3_5_moe", "muse_glimmer", "gemma4"])
@@ -40,3 +65,21 @@ def cache_pair(request, tmp_path_factory):
     target = on_worker(make_target, root / "target", request.param, scale=4.0)
     drafter = on_worker(make_drafter, root / "drafter", target)
     return target, drafter, worker_reference(target, drafter)
+
+
+# A hang that pytest-timeout's signal cannot interrupt (a thread stuck in native code) still
+# ends the run: faulthandler dumps every thread's stack and exits this long after the test's
+# own timeout.
+BACKSTOP_S = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    marker = item.get_closest_marker("timeout")
+    timeout = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    if timeout > 0:
+        faulthandler.dump_traceback_later(timeout + BACKSTOP_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -50,7 +50,8 @@ def test_generate_from_messages_file_with_sampling(pair, tmp_path):
     msgs.write_text(json.dumps([{"role": "user", "content": "abcd"}]))
     args = ["generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--messages-file",
             str(msgs), "--max-tokens", "12", "--temp", "0.8", "--top-p", "0.9", "--top-k", "5",
-            "--min-p", "0.01", "--seed", "3", "--draft-bits", "8", "--draft-group-size", "32"]
+            "--min-p", "0.01", "--seed", "3", "--draft-bits", "8", "--draft-group-size", "32",
+            "--block-size", "4"]  # a seed repeats its text under a fixed block size (auto follows the clock)
     a, b = run(*args), run(*args)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout  # same seed, same text
@@ -131,9 +132,10 @@ def test_xtc_and_min_tokens_to_keep_as_mlx_lm_generate_has_them(pair):
     plain = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--verify-mode", "off", *opts)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout == mlx_lm_plain(0.9) + "\n" and mlx_lm_plain(0.9) != mlx_lm_plain(0.0)
-    ours = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), *opts)
+    # A seed gives the same text under a fixed block size (auto's sizes follow the clock).
+    ours = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), "--block-size", "4", *opts)
     kw = dict(max_tokens=24, temp=1.0, min_p=0.05, min_tokens_to_keep=2, xtc_threshold=0.05,
-              xtc_special_tokens=special, seed=4)
+              xtc_special_tokens=special, seed=4, block_size=4)
     want = d.generate(model, tok, chat, drafter, xtc_probability=0.9, **kw)
     assert want != d.generate(model, tok, chat, drafter, xtc_probability=0.0, **kw)
     assert ours.stdout == want + "\n"

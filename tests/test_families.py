@@ -21,7 +21,9 @@ from dflash2_mlx.model.drafter import Drafter
 from helpers import chi2_pvalue, exact_joint
 from tiny_models import drafter_config, make_drafter, make_target
 
-FAMILIES = ["muse_glimmer", "gemma4_text", "gemma4", "qwen3_5_moe"]
+# gemma4_text is the gemma4 wrapper's text tower unwrapped: the wrapper runs the same layers
+# in the default suite (its flat config is muse_glimmer's case), CI's slow run has it too.
+FAMILIES = ["muse_glimmer", pytest.param("gemma4_text", marks=pytest.mark.slow), "gemma4", "qwen3_5_moe"]
 N = 1200
 ALPHA = 1e-3
 

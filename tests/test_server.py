@@ -131,18 +131,25 @@ def test_sampling_parameters_are_honoured(server, client, reference):
     def chat(**kw):
         return client.chat.completions.create(model="tiny", messages=CHAT, **kw).choices[0]
 
-    a, b = chat(max_tokens=16, temperature=1.0, seed=7), chat(max_tokens=16, temperature=1.0, seed=7)
-    assert a.message.content == b.message.content == reference(CHAT, max_tokens=16, temp=1.0, seed=7)
+    # A seed promises its text under a fixed block size (auto's sizes follow each process's clock).
+    store = SettingsStore(server["settings"])
+    store.update("tiny", {"dflash_block_size": 4})
+    try:
+        a, b = chat(max_tokens=16, temperature=1.0, seed=7), chat(max_tokens=16, temperature=1.0, seed=7)
+        assert a.message.content == b.message.content == reference(CHAT, max_tokens=16, temp=1.0, seed=7,
+                                                                   block_size=4)
+        # mlx-lm's server options beyond OpenAI's: min_tokens_to_keep and XTC (sparing "\n" and EOS).
+        xtc = dict(min_p=0.05, min_tokens_to_keep=2, xtc_probability=0.9, xtc_threshold=0.05)
+        got = chat(max_tokens=16, temperature=1.0, seed=7, logit_bias={"1": -100}, extra_body=xtc)
+        special = xtc_special_tokens(load(str(server["target"]))[1])
+        ref = dict(max_tokens=16, temp=1.0, seed=7, xtc_special_tokens=special, block_size=4,
+                   logits_processors=make_logits_processors(logit_bias={1: -100.0}))
+        assert got.message.content == reference(CHAT, **ref, **xtc)
+        assert got.message.content != reference(CHAT, **ref, **{**xtc, "xtc_probability": 0.0})
+    finally:
+        store.update("tiny", {"dflash_block_size": None})
     greedy = reference(CHAT, max_tokens=16)
     assert {chat(max_tokens=16, temperature=1.0, seed=s).message.content for s in (1, 2, 3)} - {greedy}
-    # mlx-lm's server options beyond OpenAI's: min_tokens_to_keep and XTC (sparing "\n" and EOS).
-    xtc = dict(min_p=0.05, min_tokens_to_keep=2, xtc_probability=0.9, xtc_threshold=0.05)
-    got = chat(max_tokens=16, temperature=1.0, seed=7, logit_bias={"1": -100}, extra_body=xtc)
-    special = xtc_special_tokens(load(str(server["target"]))[1])
-    ref = dict(max_tokens=16, temp=1.0, seed=7, xtc_special_tokens=special,
-               logits_processors=make_logits_processors(logit_bias={1: -100.0}))
-    assert got.message.content == reference(CHAT, **ref, **xtc)
-    assert got.message.content != reference(CHAT, **ref, **{**xtc, "xtc_probability": 0.0})
     # top_p keeps only the most likely token: sampling at T=1 becomes greedy.
     assert chat(max_tokens=16, temperature=1.0, top_p=1e-6, seed=3).message.content == greedy
     full = reference(CHAT, max_tokens=40)
