@@ -73,12 +73,20 @@ def cache_pair(request, tmp_path_factory):
 BACKSTOP_S = 60
 
 
+_stderr = {}
+
+
+def pytest_configure(config):
+    # The terminal's stderr, kept before tests capture it: the dump must outlive the process.
+    _stderr["file"] = os.fdopen(os.dup(2), "w")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     marker = item.get_closest_marker("timeout")
     timeout = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
     if timeout > 0:
-        faulthandler.dump_traceback_later(timeout + BACKSTOP_S, exit=True)
+        faulthandler.dump_traceback_later(timeout + BACKSTOP_S, exit=True, file=_stderr["file"])
     try:
         yield
     finally:

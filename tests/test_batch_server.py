@@ -313,7 +313,7 @@ def test_bench_serve_runs_both_servers(tmp_path):
     out = tmp_path / "out"
     args = ["bench", "serve", "-m", tmp_path / "target", "-d", tmp_path / "drafter", "-s", 1, "-s", 3,
             "-n", 2, "--max-tokens", 6, "-o", out]
-    r = subprocess.run(serve_command() + [str(a) for a in args], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(serve_command() + [str(a) for a in args], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((out / "bench-serve.json").read_text())
     assert [(row["server"], row["streams"]) for row in report["rows"]] == [

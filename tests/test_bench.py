@@ -162,6 +162,7 @@ def test_the_five_prompt_sets_ship_with_their_sources(monkeypatch, tmp_path):
         bench_sets.default_bench_files()
 
 
+@pytest.mark.slow  # the built-in pair's whole bench in a process; run_bench's report: the tests above
 def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
     """The README's command as a real process, with the built-in pair and the shipped
     prompt sets; only the sample count, token budget and temperatures are cut down."""
@@ -169,7 +170,7 @@ def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
     assert "dflash2-mlx bench --samples 2 --max-tokens 64 --out bench-out" in readme
     r = subprocess.run(["dflash2-mlx", "bench", "--samples", "1", "--max-tokens", "2", "--temp", "0",
                         "--out", str(tmp_path / "bench-out")], capture_output=True, text=True,
-                       timeout=600, cwd=tmp_path,
+                       timeout=240, cwd=tmp_path,
                        env={k: v for k, v in os.environ.items() if k != bench_sets.BENCH_DIR_ENV})
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-out" / "bench.json").read_text())

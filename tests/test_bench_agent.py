@@ -28,7 +28,7 @@ def test_every_api_reads_the_same_session(server):
 
     results = session_files(load_tokenizer(default_target_path()), sizes=(60, 90))
     model = "SmolLM2-135M-Instruct"
-    with httpx.Client(base_url=server, timeout=600) as http:
+    with httpx.Client(base_url=server, timeout=240) as http:
         turns = {}
         for api in APIS:
             # The same header for every API: the second API's first turn reuses the first's prefix.

@@ -28,7 +28,7 @@ def pair(tmp_path_factory):
 
 
 def run(*args):
-    return subprocess.run(["dflash2-mlx", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(["dflash2-mlx", *args], capture_output=True, text=True, timeout=240)
 
 
 def test_generate_streams_text_then_stats(pair):
@@ -71,7 +71,7 @@ def test_generate_bad_options(pair, args, message):
 
 
 def test_help_lists_every_option():
-    r = subprocess.run(["dflash2-mlx", "generate", "--help"], capture_output=True, text=True, timeout=300,
+    r = subprocess.run(["dflash2-mlx", "generate", "--help"], capture_output=True, text=True, timeout=240,
                        env={**os.environ, "COLUMNS": "200"})  # option names unabridged
     for opt in ["--model", "--draft", "--prompt", "--messages-file", "--max-tokens", "--temp",
                 "--top-p", "--top-k", "--min-p", "--block-size", "--draft-bits", "--seed",
@@ -87,7 +87,7 @@ def test_help_lists_every_option():
 def mlx_lm_text(*args):
     """The reply text of `python -m mlx_lm generate` (between its ========== lines)."""
     r = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", *args], capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     return r.stdout.split("==========\n")[1].removesuffix("\n")
 
@@ -150,7 +150,7 @@ def test_prompt_cache_file_as_mlx_lm_generate_reads_it(pair, tmp_path):
     cache = tmp_path / "ctx.safetensors"
     made = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(pair / "t"),
                            "--prompt", "abcab dcba abcd dcba ab cd", "--prompt-cache-file", str(cache)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=240)
     assert made.returncode == 0, made.stderr
     for opts in ([], ["--prefill-response", "ab"]):
         args = ["--prompt-cache-file", str(cache), "--prompt", "bca dd", "--max-tokens", "24", *opts]
@@ -308,16 +308,16 @@ def test_max_tokens_minus_one_is_no_limit_and_zero_is_refused():
 def test_openblas_note_without_preload_and_doctor_reports_it(pair):
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     r = subprocess.run(["dflash2-mlx", "generate", "--model", str(pair / "t"), "--prompt", "ab",
-                        "--max-tokens", "2"], capture_output=True, text=True, timeout=300, env=env)
+                        "--max-tokens", "2"], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr
     (note,) = [line for line in r.stderr.splitlines() if "OpenBLAS" in line]
     assert note.startswith("note: OpenBLAS is not preloaded") and f"export LD_PRELOAD={openblas_path()}" in note
-    doctor = subprocess.run(["dflash2-mlx", "doctor"], capture_output=True, text=True, timeout=300, env=env)
+    doctor = subprocess.run(["dflash2-mlx", "doctor"], capture_output=True, text=True, timeout=240, env=env)
     assert "BLAS: MLX's bundled reference BLAS" in doctor.stdout and "export LD_PRELOAD=" in doctor.stdout
     if os.path.exists(openblas_path()):
         env["LD_PRELOAD"] = openblas_path()
         r = subprocess.run(["dflash2-mlx", "generate", "--model", str(pair / "t"), "--prompt", "ab",
-                            "--max-tokens", "2"], capture_output=True, text=True, timeout=300, env=env)
+                            "--max-tokens", "2"], capture_output=True, text=True, timeout=240, env=env)
         assert r.returncode == 0 and "OpenBLAS" not in r.stderr
-        doctor = subprocess.run(["dflash2-mlx", "doctor"], capture_output=True, text=True, timeout=300, env=env)
+        doctor = subprocess.run(["dflash2-mlx", "doctor"], capture_output=True, text=True, timeout=240, env=env)
         assert "libopenblas" in doctor.stdout and "(loaded)" in doctor.stdout

@@ -390,7 +390,7 @@ FIRST_USE = "import sys; from dflash2_mlx.builtin.smollm2 import {call}; {call}(
 
 def first_use(call, *args):
     r = subprocess.run([sys.executable, "-c", FIRST_USE.format(call=call), *map(str, args)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     return r.stderr
 

@@ -27,7 +27,7 @@ SMOL_PROMPT = "Write a haiku about the sea."
 TINY_PROMPT = "abcabc hello abc"
 
 
-def run_ranks(target, draft, runs, n=2, timeout=300):
+def run_ranks(target, draft, runs, n=2, timeout=240):
     """Every rank's JSON lines (one per run, then its layer range), after all exit 0."""
     cfg = {"target": target and str(target), "draft": draft and str(draft), "runs": runs}
     results = launch(n, [sys.executable, RANKS, json.dumps(cfg)], timeout=timeout, cwd=str(ROOT))
@@ -165,7 +165,7 @@ def test_block_sizes_and_copies(family, smol, hybrid):
     runs = [dict(prompt=prompt, max_tokens=24, block_size=b, lookup=lookup, temp=temp, seed=5)
             for b in (2, 5, 8) for lookup in (True, False) for temp in (0.0, 0.9)]
     runs += [dict(prompt=prompt, max_tokens=24, block_size="auto", lookup=lookup) for lookup in (True, False)]
-    lines = run_ranks(target, draft, runs, timeout=600)
+    lines = run_ranks(target, draft, runs, timeout=240)
     check_ranks(lines, runs, expected_tokens(model, tokenizer, drafter, runs),
                 model, drafter)
 
@@ -177,7 +177,7 @@ def test_three_ranks_one_without_taps(hybrid):
     target, draft, model, tokenizer, drafter = hybrid
     runs = [dict(prompt=TINY_PROMPT, max_tokens=24, block_size=5),
             dict(prompt=TINY_PROMPT, max_tokens=24, block_size=8, temp=1.0, seed=11)]
-    lines = run_ranks(target, draft, runs, n=3, timeout=600)
+    lines = run_ranks(target, draft, runs, n=3, timeout=240)
     assert sorted((ls[-1]["start"], ls[-1]["stop"]) for ls in lines) == [(0, 1), (1, 2), (2, 4)]
     check_ranks(lines, runs, expected_tokens(model, tokenizer, drafter, runs),
                 model, drafter)

@@ -187,17 +187,17 @@ def test_doctor_reports_kept_verdicts_probes_with_exact_and_recalibrates(pair, t
     root = pair[0]
     env = {**os.environ, "DFLASH2_MLX_HOME": str(tmp_path)}
     cmd = [sys.executable, "-m", "dflash2_mlx.cli.main", "doctor"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env).stdout
     assert "verify rows: not probed on this machine" in out
     out = subprocess.run(cmd + ["--exact", "--model", str(root / "t")], capture_output=True, text=True,
-                         timeout=300, env=env).stdout
+                         timeout=240, env=env).stdout
     assert "verify rows (float32 target, rows 2..16" in out
     assert len(list((tmp_path / "adaptive").glob("exact-*.json"))) == 1
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env).stdout
     assert "verify rows (float32 target" in out and "not probed" not in out
     for name in ("costs-a.json", "timing-a.json", "acceptance-a.json"):
         (tmp_path / "adaptive" / name).write_text("{}")
-    out = subprocess.run(cmd + ["--recalibrate"], capture_output=True, text=True, timeout=300, env=env).stdout
+    out = subprocess.run(cmd + ["--recalibrate"], capture_output=True, text=True, timeout=240, env=env).stdout
     assert "recalibrate: 2 kept cost and timing file(s) removed" in out
     assert sorted(p.name for p in (tmp_path / "adaptive").glob("*-a.json")) == ["acceptance-a.json"]
 

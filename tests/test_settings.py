@@ -237,7 +237,7 @@ def test_killed_writer_never_leaves_a_torn_file(tmp_path):
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=30)
         data = json.loads(path.read_text())  # always whole JSON
         assert data["version"] == 1 and data["models"]["keep"] == {"dflash_enabled": True}
     assert len(data["models"]) > 1  # the writers did write
