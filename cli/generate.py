@@ -90,6 +90,7 @@ def generate(
     """Generate text with DFlash speculative decoding, streaming it, then a stats line."""
     from dflash2_mlx import stream_generate
     from dflash2_mlx.generate import stats_line
+    from ..loop.arguments import check_all, check_messages
     from ..loop.sampling import xtc_special_tokens
 
     if (prompt is None) == (messages_file is None):
@@ -100,10 +101,14 @@ def generate(
         if distributed is not None and prompt_cache_file is not None:
             raise ValueError("--prompt-cache-file goes without --distributed: a saved cache holds the whole target's "
                              "keys and values, a split target's rank only its share")
+        # Every argument is checked before a model is loaded: a bad one costs nothing.
+        check_all(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
+                  xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, seed=seed, max_tokens=max_tokens)
         block_size = block_size_of(block_size, num_draft_tokens)
         template_kwargs = template_config(chat_template_config)
         if messages_file is not None:
             prompt = read_messages(messages_file)
+            check_messages(prompt, f"--messages-file {messages_file}")
             if system_prompt is not None:
                 raise ValueError("--system-prompt goes with --prompt; put a system message in --messages-file")
         target, tokenizer, drafter, cache = load_pair(

@@ -18,6 +18,7 @@ from .loop import exactness
 from .loop.draft_context import DraftContext
 from .model.drafter import Drafter, propose
 from .model.checkpoint import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
+from .loop.arguments import check_all, check_messages
 from .loop.sampling import SamplingParams
 from .loop.cycle import speculative_generate_step
 from .loop.kv_quant import kv_offset
@@ -164,6 +165,7 @@ def chat_ids(tokenizer, messages, prefill: Optional[str] = None, tools: Optional
     reply, or (``prefill``) continuing an assistant reply that starts with it, as
     mlx_lm.generate's --prefill-response does.  ``template_kwargs``: variables for the
     template (e.g. ``{"enable_thinking": False}``)."""
+    check_messages(messages)
     template_kwargs = dict(template_kwargs or {})
     check_template_variables(template_kwargs)
     messages = list(messages)
@@ -240,6 +242,7 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     ``cost_file``: the pass costs that "auto" block sizes and tree budgets are chosen by, from
     a file ``dflash2-mlx doctor --export-costs`` wrote (another machine's, say) instead of
     this machine's calibration."""
+    check_all(max_tokens=max_tokens, seed=seed, exact=exact, lookup=lookup, continues=continues)
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode {verify_mode!r} is not supported; use one of {VERIFY_MODES}")
     if tree_budget is not None and verify_mode not in ("tree", "ddtree"):

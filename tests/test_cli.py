@@ -140,7 +140,7 @@ def test_xtc_and_min_tokens_to_keep_as_mlx_lm_generate_has_them(pair):
     assert want != d.generate(model, tok, chat, drafter, xtc_probability=0.0, **kw)
     assert ours.stdout == want + "\n"
     bad = run("generate", "--model", str(pair / "t"), "--draft", str(pair / "d"), *opts, "--xtc-threshold", "0.7")
-    assert bad.returncode == 2 and "xtc_threshold must be in [0, 0.5], got 0.7" in bad.stderr
+    assert bad.returncode == 2 and "xtc_threshold is in [0, 0.5]; got 0.7" in bad.stderr
 
 
 def test_prompt_cache_file_as_mlx_lm_generate_reads_it(pair, tmp_path):

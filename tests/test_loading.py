@@ -163,7 +163,7 @@ def test_impossible_block_size_empty_prompt_and_bad_mode(root):
             list(d.stream_generate(model, tok, empty, drafter, max_tokens=4))
     with pytest.raises(ValueError, match="verify mode 'forest' is not supported"):
         list(d.stream_generate(model, tok, "ab", drafter, verify_mode="forest", max_tokens=4))
-    with pytest.raises(ValueError, match="temp must be >= 0"):
+    with pytest.raises(ValueError, match=r"temp is a finite number, 0 or more \(0: greedy\); got -1"):
         list(d.stream_generate(model, tok, "ab", drafter, temp=-1, max_tokens=4))
 
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
 from .protocol import APIError, validation_error
 from .settings import SettingsError
+from ..loop.arguments import ArgumentError
 from .wire import EngineError, InvalidOption, PromptTooLong, QueueFull
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -165,6 +166,8 @@ class mapped_errors:
             return False
         if isinstance(e, InvalidOption):
             raise APIError(400, str(e), param=e.param) from None
+        if isinstance(e, ArgumentError):
+            raise APIError(400, str(e), param=e.name) from None
         if isinstance(e, PromptTooLong):
             raise APIError(400, str(e), param=self.prompt_param, code="context_length_exceeded") from None
         if isinstance(e, QueueFull):

@@ -9,18 +9,16 @@ from typing import Dict, Optional, Sequence, Union
 
 from mlx_lm.sample_utils import make_logits_processors
 
+from ..loop.arguments import MAX_SEED, ArgumentError, check_all, real
 from ..loop.sampling import SamplingParams, xtc_special_tokens
 from .settings import ModelSettings, first_set
 from .wire import InvalidOption
 
 # The most alternatives a request may ask to see next to each token's log-probability.
 MAX_TOP_LOGPROBS = 20
-# mx.random.seed takes an unsigned 64-bit seed.
-MAX_SEED = (1 << 64) - 1
-# The options that are numbers, and those that are whole numbers.
-REAL_OPTIONS = ("temperature", "top_p", "min_p", "xtc_probability", "xtc_threshold",
-                "presence_penalty", "frequency_penalty", "repetition_penalty")
-WHOLE_OPTIONS = ("top_k", "min_tokens_to_keep", "seed")
+# The sampling options follow the rules every surface shares (``loop/arguments.py``); the
+# penalties, which only the server takes, are finite numbers.
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 # A penalty at its neutral value builds no logits processor.
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
@@ -80,16 +78,16 @@ class RequestOptions:
         """Every option of the right kind and within what the model can take (a sampler
         given a top_k past the vocabulary, or a bias on a token it does not have, fails
         inside MLX, after the request has started)."""
-        for name in REAL_OPTIONS:
+        try:
+            check_all(labels={"temp": "temperature"}, temp=self.temperature, top_p=self.top_p, min_p=self.min_p,
+                      top_k=self.top_k, min_tokens_to_keep=self.min_tokens_to_keep,
+                      xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold, seed=self.seed)
+        except ArgumentError as e:
+            raise InvalidOption(e.name, str(e)) from None
+        for name in PENALTIES:
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            if v is not None and not real(v):
                 raise InvalidOption(name, f"{name} is a finite number; got {v!r}")
-        for name in WHOLE_OPTIONS:
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise InvalidOption(name, f"{name} is a whole number; got {v!r}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise InvalidOption("seed", f"seed is a whole number in 0..{MAX_SEED} (2**64 - 1); got {self.seed}")
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise InvalidOption("repetition_penalty", f"repetition_penalty is above 0; got {self.repetition_penalty}")
         check_logit_bias(self.logit_bias, vocab_size)
@@ -155,9 +153,8 @@ def sampling_params(o: RequestOptions, s: ModelSettings, tokenizer,
                                 min_tokens_to_keep=first_set(o.min_tokens_to_keep, 1),
                                 xtc_probability=xtc, xtc_threshold=first_set(o.xtc_threshold, 0.1),
                                 xtc_special_tokens=special)
-    except ValueError as e:
-        name = str(e).split()[0]
-        raise InvalidOption("temperature" if name == "temp" else name, str(e)) from None
+    except ArgumentError as e:
+        raise InvalidOption("temperature" if e.name == "temp" else e.name, str(e)) from None
     if vocab_size and params.top_k >= vocab_size:
         raise InvalidOption("top_k", f"top_k keeps fewer tokens than this model's vocabulary of {vocab_size} "
                             f"(0: off, else 1..{vocab_size - 1}); got {params.top_k}")

@@ -9,6 +9,7 @@
     target.py             the target: tapped features, cache snapshot and rollback
     draft_context.py      the drafter's context of committed tokens (window, sinks)
     sampling.py           logits processing, sampling and the accept rule
+    arguments.py          the rules every surface checks generation arguments by
     random_keys.py        per-sequence random keys
     lookup.py             copies: drafts copied from the sequence itself
     scoring.py            a prompt's own log-probabilities

@@ -25,6 +25,8 @@ from typing import Callable, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .arguments import check_all
+
 
 @dataclass
 class SamplingParams:
@@ -38,20 +40,9 @@ class SamplingParams:
     xtc_special_tokens: Tuple[int, ...] = ()  # never removed by XTC (mlx-lm's CLI: "\n" and EOS)
 
     def __post_init__(self):
-        if self.temp < 0:
-            raise ValueError(f"temp must be >= 0, got {self.temp}")
-        if not 0 < self.top_p <= 1.0 and self.top_p != 0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.min_tokens_to_keep < 1:
-            raise ValueError(f"min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")
-        if not 0 <= self.xtc_probability <= 1.0:
-            raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
-        if not 0 <= self.xtc_threshold <= 0.5:
-            raise ValueError(f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}")
+        check_all(temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k,
+                  min_tokens_to_keep=self.min_tokens_to_keep, xtc_probability=self.xtc_probability,
+                  xtc_threshold=self.xtc_threshold)
         self.xtc_special_tokens = tuple(int(t) for t in self.xtc_special_tokens)
 
     @property
