@@ -35,7 +35,7 @@ def doctor(
             p.unlink(missing_ok=True)
         typer.echo(f"recalibrate: {len(gone)} kept cost and timing file(s) removed from {store.cache_dir()}; "
                    "the next DFlash request measures again")
-    exactness_report(model, measure=exact, echo=typer.echo)
+    exactness_report(model, measure=exact, echo=typer.echo, verbose=verbose)
     if export_costs is not None:
         import dflash2_mlx as d
         from ..adaptive import export_costs as export

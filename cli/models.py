@@ -15,7 +15,7 @@ models_app = typer.Typer(help="List, show and set per-model settings (oMLX's mod
                          no_args_is_help=True)
 
 SETTINGS_OPTION = typer.Option(
-    None, "--settings", help="model_settings.json (default: $DFLASH2_MLX_SETTINGS or ~/.dflash2-mlx/model_settings.json).")
+    None, "--settings", help="model_settings.json (default: $DFLASH2_MLX_SETTINGS, else model_settings.json in $DFLASH2_MLX_HOME when set, else ~/.dflash2-mlx/model_settings.json).")
 
 
 def register(app: typer.Typer):

@@ -32,7 +32,7 @@ def serve(
     model_dir: Optional[Path] = typer.Option(
         None, "--model-dir", help="Directory of model directories (oMLX layout): each one with a config.json is served under its name."),
     settings: Optional[Path] = typer.Option(
-        None, "--settings", help="model_settings.json (default: $DFLASH2_MLX_SETTINGS or ~/.dflash2-mlx/model_settings.json)."),
+        None, "--settings", help="model_settings.json (default: $DFLASH2_MLX_SETTINGS, else model_settings.json in $DFLASH2_MLX_HOME when set, else ~/.dflash2-mlx/model_settings.json)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
     max_models: int = typer.Option(1, "--max-models", help="Most models loaded at once; the least recently used idle one is unloaded."),
@@ -42,7 +42,7 @@ def serve(
     max_tokens: int = typer.Option(512, "--max-tokens", help="Default max_tokens when a request and the settings give none."),
     preload: bool = typer.Option(False, "--preload/--lazy", help="Load the --model models at start instead of on the first request."),
     prefix_cache_gb: float = typer.Option(1.0, "--prefix-cache-gb", help="Per model: most GB of prompt caches kept for reuse by later requests that share a prefix (0: off). A model's prefix_cache_gb setting overrides it."),
-    ssd_cache_dir: Optional[Path] = typer.Option(None, "--ssd-cache-dir", help="Where the prefix cache's disk tier keeps the entries memory lets go, for models whose settings turn on dflash_ssd_cache (default: ~/.cache/dflash2_mlx/ssd-cache; one directory per pair)."),
+    ssd_cache_dir: Optional[Path] = typer.Option(None, "--ssd-cache-dir", help="Where the prefix cache's disk tier keeps the entries memory lets go, for models whose settings turn on dflash_ssd_cache (default: ssd-cache in $DFLASH2_MLX_HOME, else ~/.cache/dflash2_mlx/ssd-cache; one directory per pair)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, help="Require Authorization: Bearer KEY on every route but /health (also from $DFLASH2_MLX_API_KEY)."),
     chat_template_args: Optional[str] = typer.Option(
         None, "--chat-template-args", help="Chat-template variables for every chat request as a JSON object, e.g. '{\"enable_thinking\": false}' (a model's settings and a request's chat_template_kwargs override them)."),
@@ -90,7 +90,9 @@ def serve(
         from dflash2_mlx.distributed.follow import distributed_setup
 
         lockstep, max_batch, max_models = distributed_setup(distributed)
-        ssd_cache_dir = (ssd_cache_dir or Path.home() / ".cache/dflash2_mlx/ssd-cache") / f"rank{lockstep.rank}"
+        from dflash2_mlx.backend.ssd_cache import default_ssd_cache_dir
+
+        ssd_cache_dir = (ssd_cache_dir or default_ssd_cache_dir()) / f"rank{lockstep.rank}"
     overrides = {m: {"dflash_enabled": True, "dflash_draft_model": draft} for m in models} if draft else {}
     pool = EnginePool(SettingsStore(settings), model_dir=model_dir, models=models, overrides=overrides,
                       max_models=max(max_models, 1), memory_budget_gb=memory_budget,

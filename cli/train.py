@@ -50,7 +50,7 @@ def train(
     val_records: int = typer.Option(0, "--val-records", help="Hold out the dataset's last N records and report val_* metrics on them (0: no held-out set)."),
     val_every: int = typer.Option(50, "--val-every", help="Steps between held-out evaluations."),
     resume: bool = typer.Option(True, "--resume/--restart", help="Continue from the latest checkpoint under --out."),
-    min_block_size: int = typer.Option(0, "--min-block-size", help="Train each block at a served size drawn from [this, block size] (0: the trained size only)."),
+    min_block_size: int = typer.Option(0, "--min-block-size", help="Train each block at a served size drawn between this and the block size, both included (0: the trained size only)."),
     distill: float = typer.Option(0.0, "--distill", help="Weight of the KL to the target's own next-token distribution (needs the target's last layer as the last tap)."),
     stop_after: int = typer.Option(0, "--stop-after", help="End (final checkpoint) after this many steps of the --steps schedule (0: at its end)."),
     max_seconds: float = typer.Option(0.0, "--max-seconds", help="End (final checkpoint) once this run has trained this long, wherever the schedule is (0: no limit)."),

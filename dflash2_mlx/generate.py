@@ -249,8 +249,6 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
         raise ValueError(f"tree_budget={tree_budget!r} needs verify_mode='tree' (got {verify_mode!r})")
     if verify_mode in ("tree", "ddtree"):
         tree_budget = trees.check_budget(tree_budget)
-    if max_tokens == 0 or max_tokens < -1:
-        raise ValueError(f"max_tokens must be positive (or -1 for no limit), got {max_tokens}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     params = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k,
@@ -330,10 +328,11 @@ def exactness_of(model, exact: bool) -> Tuple[str, Optional[str]]:
     if verdict.exact:
         return "exact", None
     if exact and verdict.exact_pass:
-        return f"exact (row-exact verify pass: plain passes here are {verdict.describe()})", "pass"
+        return f"exact, by the exact mode's row-exact verify pass (ordinary passes here are {verdict.describe()})", "pass"
     if exact:
-        return f"exact (one-row verify: passes here are {verdict.describe()})", "steps"
-    return verdict.describe(), None
+        return f"exact, by the exact mode's one-row verify (ordinary passes here are {verdict.describe()})", "steps"
+    return (f"{verdict.describe()}: greedy output may leave plain decoding's where two tokens nearly tie "
+            "(the exact mode rules that out: --exact, exact=True, dflash_exact)"), None
 
 
 def _block_policy(target, drafter: Drafter, block_size, verify_mode: str, greedy: bool, seed: Optional[int],
@@ -452,11 +451,15 @@ def generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None, verbos
     return text
 
 
+def plural(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 def blocks_text(block_sizes: Dict[int, int], fallback: bool, shadows: int = 0, copies: int = 0) -> str:
     """The block-size histogram, e.g. "blocks 1x40 3x6 (12 copies, plain fallback, 8 shadow probes)"."""
     hist = " ".join(f"{b}x{n}" for b, n in sorted(block_sizes.items()))
-    notes = ([f"{copies} copies"] * (copies > 0) + ["plain fallback"] * fallback
-             + [f"{shadows} shadow probes"] * (shadows > 0))
+    notes = ([plural(copies, "copy", "copies")] * (copies > 0) + ["plain fallback"] * fallback
+             + [plural(shadows, "shadow probe")] * (shadows > 0))
     return f"blocks {hist}" + (f" ({', '.join(notes)})" if notes else "")
 
 

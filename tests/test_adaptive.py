@@ -460,6 +460,7 @@ def test_stream_generate_reports_block_sizes(pair, tmp_path, monkeypatch):
     assert sum(last.block_sizes.values()) == last.cycles and isinstance(last.fallback, bool)
     assert "blocks " in stats_line(last)
     assert blocks_text({1: 40, 3: 6}, True, 8) == "blocks 1x40 3x6 (plain fallback, 8 shadow probes)"
+    assert blocks_text({5: 2}, False, 1, 1) == "blocks 5x2 (1 copy, 1 shadow probe)"
     assert blocks_text({3: 6}, False) == "blocks 3x6"
     capped = list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16,
                                     verify_mode="adaptive", block_size=3))

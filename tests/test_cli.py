@@ -301,7 +301,7 @@ def test_max_tokens_minus_one_is_no_limit_and_zero_is_refused():
     for bad in ("0", "-2"):
         r = run(*prompt, "--max-tokens", bad)
         assert r.returncode == 2 and errors(r.stderr) == [
-            f"error: max_tokens must be positive (or -1 for no limit), got {bad}"]
+            f"error: max_tokens is a whole number of tokens, 1 or more (-1: no limit); got {bad}"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the OpenBLAS note is for Linux")

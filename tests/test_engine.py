@@ -1,6 +1,7 @@
 """The engine and the engine pool, in-process, on tiny real models."""
 
 import asyncio
+import contextlib
 import json
 
 import mlx.core as mx
@@ -277,6 +278,34 @@ def test_queue_limit_and_abort(engine):
     run(scenario())
     stats = engine.get_stats()
     assert stats["aborted_requests"] == aborted + 2 and stats["rejected_requests"] >= 1
+
+
+def test_a_request_cut_off_while_it_waits_is_counted(engine):
+    """A client that leaves before its request's turn came (it never reached the worker)
+    counts as an aborted request, and frees its place in the queue."""
+    async def scenario():
+        running = [engine.stream_generate(p, max_tokens=400, logit_bias=NO_EOS) for p in ("hello", "hey")]
+        for r in running:
+            await r.__anext__()
+        waiting = asyncio.create_task(engine.generate("hello", max_tokens=5))
+        for _ in range(200):
+            if engine.get_stats()["queued_requests"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.get_stats()["queued_requests"] == 1
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        middle = engine.get_stats()
+        for r in running:
+            await r.aclose()
+        await idle(engine)
+        return middle
+
+    before = engine.get_stats()
+    middle = run(scenario())
+    assert middle["aborted_requests"] == before["aborted_requests"] + 1 and middle["queued_requests"] == 0
+    assert engine.get_stats()["aborted_requests"] == before["aborted_requests"] + 3
 
 
 def test_consumer_leaving_stops_generation(engine):

@@ -19,6 +19,8 @@ def test_every_post_route_declares_its_body_and_errors():
         prefix, model = BODIES[path]
         assert ref == f"#/components/schemas/{prefix}{model.__name__}"
         assert {"400", "404", "503"} <= set(op["responses"])
+    model = next(ops["get"] for path, ops in spec["paths"].items() if path.startswith("/v1/models/{model_id"))
+    assert {"200", "404"} <= set(model["responses"])
     chat = schemas["OpenAIChatRequest"]
     assert {"messages", "max_tokens", "temperature", "stream"} <= set(chat["properties"])
     assert "messages" in chat["required"]

@@ -324,3 +324,16 @@ def test_engine_description():
     assert ModelSettings(dflash_enabled=True, dflash_draft_model="d", dflash_block_size=4,
                          dflash_verify_mode="adaptive").engine()["block_size"] == "auto"
     assert ModelSettings(dflash_enabled=True, dflash_draft_model="d", dflash_max_ctx=10).engine(11)["dflash"] is False
+
+
+def test_the_settings_file_follows_the_home(tmp_path, monkeypatch):
+    """$DFLASH2_MLX_SETTINGS, else the file in $DFLASH2_MLX_HOME when that is set (a home of
+    its own holds everything), else ~/.dflash2-mlx/model_settings.json."""
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DFLASH2_MLX_SETTINGS", raising=False)
+    assert settings_module.default_path() == tmp_path / "home" / "model_settings.json"
+    monkeypatch.setenv("DFLASH2_MLX_SETTINGS", str(tmp_path / "mine.json"))
+    assert settings_module.default_path() == tmp_path / "mine.json"
+    monkeypatch.delenv("DFLASH2_MLX_SETTINGS")
+    monkeypatch.delenv("DFLASH2_MLX_HOME")
+    assert settings_module.default_path() == Path("~/.dflash2-mlx/model_settings.json").expanduser()

@@ -181,9 +181,11 @@ class Admission:
             self.stats.move(queued=-1)
 
     def _release(self, request: Request):
-        """Free the place of a request that never reached the worker."""
+        """Free the place of a request that never reached the worker (its client left, or
+        its stream was dropped, while it waited): an aborted request for the counters."""
         self._unqueue(request)
-        self.requests.pop(request.id, None)
+        if self.requests.pop(request.id, None) is not None:
+            self.stats.add(prompt_tokens=len(request.ids), finish_reason="abort")
         if request.turn is not None:
             self.turns.cancel(request.turn)
 

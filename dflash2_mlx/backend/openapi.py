@@ -60,6 +60,10 @@ def describe(app: FastAPI):
                     "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
                 post.setdefault("responses", {}).update(
                     {code: {"description": text} for code, text in ERRORS.items()})
+            for path, ops in spec.get("paths", {}).items():
+                if "{model_id" in path and "get" in ops:  # a model named in the path may not exist
+                    ops["get"].setdefault("responses", {}).update(
+                        {code: {"description": ERRORS[code]} for code in ("401", "404")})
             app.openapi_schema = spec
         return app.openapi_schema
 

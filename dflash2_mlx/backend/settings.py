@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 SETTINGS_VERSION = 1
 SETTINGS_ENV = "DFLASH2_MLX_SETTINGS"
+HOME_ENV = "DFLASH2_MLX_HOME"
 DEFAULT_SETTINGS = Path("~/.dflash2-mlx/model_settings.json")
 VERIFY_MODES = ("dflash", "adaptive", "tree", "ddtree", "off")  # ddtree: oMLX's name for tree
 DEFAULT_SSD_CACHE_BYTES = 10 * 10**9
@@ -317,7 +318,13 @@ class ModelSettings:
 
 
 def default_path() -> Path:
-    return Path(os.environ.get(SETTINGS_ENV) or DEFAULT_SETTINGS).expanduser()
+    """``$DFLASH2_MLX_SETTINGS``; else ``model_settings.json`` in ``$DFLASH2_MLX_HOME`` where
+    that is set (a home of its own keeps everything in it); else ``~/.dflash2-mlx/``."""
+    if os.environ.get(SETTINGS_ENV):
+        return Path(os.environ[SETTINGS_ENV]).expanduser()
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser() / DEFAULT_SETTINGS.name
+    return DEFAULT_SETTINGS.expanduser()
 
 
 class SettingsStore:

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from .. import adaptive
 from ..generate import encode_prompt
+from ..loop.arguments import check_all
 from ..loop.cycle import CycleStats
 from ..loop.sampling import SamplingParams
 from ..model.drafter import Drafter
@@ -39,6 +40,7 @@ def stream_batch_generate(model, tokenizer, prompts: Sequence, drafter: Drafter,
     each token's ``Response`` as it comes (``uid`` = the prompt's index).  ``seed``: the
     whole batch's random draws; sampling as in ``stream_generate``.  Other keywords go to
     ``BatchGenerator``."""
+    check_all(seed=seed)
     if seed is not None:
         mx.random.seed(seed)
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from .. import adaptive
 from ..generate import check_block_size
+from ..loop.arguments import check
 from ..loop.draft_context import DraftContext
 from ..loop.random_keys import RandomStream, fresh_key
 from ..loop.sampling import SamplingParams
@@ -69,8 +70,7 @@ class BatchGenerator:
         prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt
         if prompt.size == 0:
             raise ValueError("prompt is empty: give at least one token")
-        if max_tokens == 0 or max_tokens < -1:
-            raise ValueError(f"max_tokens must be positive (or -1 for no limit), got {max_tokens}")
+        check("max_tokens", max_tokens)
         if not 0 <= cached_tokens < prompt.size:
             raise ValueError(f"cached_tokens must leave at least the last prompt token to run, "
                              f"got {cached_tokens} of {prompt.size}")

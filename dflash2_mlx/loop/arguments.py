@@ -43,7 +43,8 @@ RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "xtc_probability": (between(0, 1), "in [0, 1] (0: off)"),
     "xtc_threshold": (between(0, 0.5), "in [0, 0.5]"),
     "seed": (lambda v: whole(v) and 0 <= v <= MAX_SEED, f"a whole number in 0..{MAX_SEED} (2**64 - 1)"),
-    "max_tokens": (lambda v: whole(v) and v >= -1, "a whole number of tokens (-1: no limit)"),
+    # The server also takes 0 (a prompt scored alone): its own range, in its options.
+    "max_tokens": (lambda v: whole(v) and (v >= 1 or v == -1), "a whole number of tokens, 1 or more (-1: no limit)"),
     "exact": (lambda v: isinstance(v, bool), "true or false"),
     "lookup": (lambda v: isinstance(v, bool), "true or false"),
     "continues": (lambda v: isinstance(v, bool), "true or false"),

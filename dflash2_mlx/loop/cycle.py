@@ -249,8 +249,9 @@ def speculative_generate_step(
                 arm = arms.setdefault(choice.block, trees.Arms(costs, choice.block, seq.history.size))
                 nodes = arm.choose()
                 seq.stats.chain_why = (None if nodes > choice.block - 1 else
-                                       "no tree is priced within 1.4x the chain here" if len(arm.candidates) == 1
-                                       else "the chain gave the most tokens per second here")
+                                       f"at block {choice.block}, no tree is priced within 1.4x the chain on this machine"
+                                       if len(arm.candidates) == 1 else
+                                       f"at block {choice.block}, the chain gave the most tokens per second")
                 nodes = 0 if seq.stats.chain_why else nodes
             if nodes:
                 seq.stats.chain_why = trees.fits(target, cache, nodes + 1)

@@ -51,6 +51,16 @@ class Verdict:
     # tried yet; a first use's probe leaves it to the first exact=True), else what it found.
     exact_pass: Optional[bool] = None
     exact_pass_note: str = ""
+    # What it holds for: the target (family, width x depth), the BLAS (or GPU) that ran it,
+    # and this machine's identity (a digest): a verdict under another BLAS is another one.
+    target: str = ""
+    blas: str = ""
+    machine: str = ""
+
+    def setup(self) -> str:
+        """The target, dtype, device and BLAS the verdict holds for, in words."""
+        return ", ".join(x for x in (self.target, f"{self.dtype} weights" if self.dtype else "", self.device,
+                                     self.blas or "BLAS not recorded") if x)
 
     def describe(self) -> str:
         if self.exact:
@@ -153,8 +163,30 @@ def verdict(model, refresh: bool = False, try_pass: bool = True) -> Verdict:
     if kept is not None and (kept.exact or kept.exact_pass is not None or not try_pass):
         return kept
     v = probe(model, try_pass=try_pass)
+    v.target, v.blas, v.machine = target_name(model), blas_name(), machine_digest()
     store.write(path, v.to_json())
     return v
+
+
+def target_name(model) -> str:
+    """A target as a verdict names it: its family, width x depth."""
+    args = getattr(getattr(model, "language_model", model), "args", None)
+    if args is None:
+        return type(model).__module__.rsplit(".", 1)[-1]
+    return (f"{getattr(args, 'model_type', '?')} {getattr(args, 'hidden_size', '?')}x"
+            f"{getattr(args, 'num_hidden_layers', '?')}")
+
+
+def blas_name() -> str:
+    """What computes this process's matmuls: the GPU, a preloaded BLAS, or MLX's own."""
+    ident = identity()
+    if "gpu" in ident["device"]:
+        return ident.get("gpu") or "GPU"
+    return ident["blas"] or "MLX's bundled BLAS"
+
+
+def machine_digest() -> str:
+    return store.digest(identity())
 
 
 def at_first_use(target) -> None:

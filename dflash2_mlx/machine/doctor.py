@@ -111,10 +111,11 @@ def run_doctor(echo=print, verbose: bool = False) -> list:
     return rows
 
 
-def exactness_report(model: Optional[str] = None, measure: bool = False, echo=print) -> list:
+def exactness_report(model: Optional[str] = None, measure: bool = False, echo=print, verbose: bool = False) -> list:
     """Whether verify passes are row-exact here (``loop/exactness.py``): the verdicts kept
-    on this machine (no model loaded), or with ``measure`` a fresh probe of ``model`` (the
-    built-in target by default), kept for later runs."""
+    for this machine and BLAS (no model loaded; every kept one with ``verbose``), or with
+    ``measure`` a fresh probe of ``model`` (the built-in target by default), kept for later
+    runs.  Each line names the target, dtype, device and BLAS it holds for."""
     from ..adaptive import store
     from ..loop import exactness
 
@@ -136,12 +137,18 @@ def exactness_report(model: Optional[str] = None, measure: bool = False, echo=pr
                 verdicts.append(exactness.Verdict(**store.read(path)))
             except TypeError:
                 continue
-    if not verdicts:
-        echo(f"verify rows: {exactness.NOT_PROBED} (dflash2-mlx doctor --exact [--model M])")
-    for v in verdicts:
-        echo(f"verify rows ({v.dtype} target, rows {v.rows[0]}..{v.rows[-1]}, {v.device}): {v.describe()}"
+    here = exactness.machine_digest()
+    others = [v for v in verdicts if v.machine != here]
+    shown = verdicts if verbose or measure else [v for v in verdicts if v.machine == here]
+    if not shown:
+        echo(f"verify rows: {exactness.NOT_PROBED} with {exactness.blas_name()} "
+             "(dflash2-mlx doctor --exact [--model M])")
+    for v in shown:
+        echo(f"verify rows ({v.setup()}; rows {v.rows[0]}..{v.rows[-1]}): {v.describe()}"
              + ("" if v.exact else f"; {v.differing:.0%} of logits differ: greedy output is plain "
                 f"decoding's with --exact ({_exact_way(v)}), else it may leave it at a near-tie"))
+    if others and not verbose and not measure:
+        echo(f"  ({len(others)} verdict(s) kept for another BLAS, device or machine: --verbose)")
     echo(exact_kernel_line())
     return verdicts
 
