@@ -244,8 +244,10 @@ class SoloStream:
                 finish_reason=finish)
         else:
             e.stats.add(prompt_tokens=self.n_prompt, finish_reason=finish or "abort")
-        self.push(DONE)
+        # Ended before the client hears so: a next request sent on the reply's end finds the
+        # engine idle and starts as a single stream, not as the batch a running one would make.
         self._end(None)
+        self.push(DONE)
 
     def _end(self, carry: Optional[Carry]):
         if self.solo:
