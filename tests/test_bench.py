@@ -170,7 +170,7 @@ def test_readme_bench_command_runs_on_a_tiny_setting(tmp_path):
     assert "dflash2-mlx bench --samples 2 --max-tokens 64 --out bench-out" in readme
     r = subprocess.run(["dflash2-mlx", "bench", "--samples", "1", "--max-tokens", "2", "--temp", "0",
                         "--out", str(tmp_path / "bench-out")], capture_output=True, text=True,
-                       timeout=240, cwd=tmp_path,
+                       timeout=360, cwd=tmp_path,
                        env={k: v for k, v in os.environ.items() if k != bench_sets.BENCH_DIR_ENV})
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "bench-out" / "bench.json").read_text())
