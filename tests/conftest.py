@@ -84,7 +84,8 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     marker = item.get_closest_marker("timeout")
-    timeout = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    marked = (marker.args[0] if marker.args else marker.kwargs.get("timeout")) if marker else None
+    timeout = float(marked if marked is not None else item.config.getini("timeout") or 0)
     if timeout > 0:
         faulthandler.dump_traceback_later(timeout + BACKSTOP_S, exit=True, file=_stderr["file"])
     try:

@@ -1,7 +1,7 @@
 """One validation of generation arguments for every surface: each bad value below is refused
-by Python's ``generate`` (an ``ArgumentError`` naming it), by the CLI (exit 2, one line, no
-traceback, before any model is loaded) and by the server (a 400 naming the parameter), with
-the same message where the argument reaches the shared rules."""
+by Python's ``generate`` (an ``ArgumentError`` naming it) and by the CLI (exit 2, one line,
+no traceback, before any model is loaded) with the same message, and by the server (a 400
+naming the parameter; a value its API's schema refuses first gets that schema's message)."""
 
 import json
 

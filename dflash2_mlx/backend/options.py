@@ -9,15 +9,17 @@ from typing import Dict, Optional, Sequence, Union
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from ..loop.arguments import MAX_SEED, ArgumentError, check_all, real
+from ..loop.arguments import ArgumentError, check_all, real
 from ..loop.sampling import SamplingParams, xtc_special_tokens
 from .settings import ModelSettings, first_set
 from .wire import InvalidOption
 
 # The most alternatives a request may ask to see next to each token's log-probability.
 MAX_TOP_LOGPROBS = 20
-# The sampling options follow the rules every surface shares (``loop/arguments.py``); the
-# penalties, which only the server takes, are finite numbers.
+# The sampling options follow the rules every surface shares (``loop/arguments.py``), under
+# the APIs' names where they differ from Python's; the penalties, which only the server
+# takes, are finite numbers.
+API_NAMES = {"temp": "temperature"}
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 # A penalty at its neutral value builds no logits processor.
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -79,7 +81,7 @@ class RequestOptions:
         given a top_k past the vocabulary, or a bias on a token it does not have, fails
         inside MLX, after the request has started)."""
         try:
-            check_all(labels={"temp": "temperature"}, temp=self.temperature, top_p=self.top_p, min_p=self.min_p,
+            check_all(labels=API_NAMES, temp=self.temperature, top_p=self.top_p, min_p=self.min_p,
                       top_k=self.top_k, min_tokens_to_keep=self.min_tokens_to_keep,
                       xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold, seed=self.seed)
         except ArgumentError as e:
@@ -154,7 +156,7 @@ def sampling_params(o: RequestOptions, s: ModelSettings, tokenizer,
                                 xtc_probability=xtc, xtc_threshold=first_set(o.xtc_threshold, 0.1),
                                 xtc_special_tokens=special)
     except ArgumentError as e:
-        raise InvalidOption("temperature" if e.name == "temp" else e.name, str(e)) from None
+        raise InvalidOption(API_NAMES.get(e.name, e.name), str(e)) from None
     if vocab_size and params.top_k >= vocab_size:
         raise InvalidOption("top_k", f"top_k keeps fewer tokens than this model's vocabulary of {vocab_size} "
                             f"(0: off, else 1..{vocab_size - 1}); got {params.top_k}")
