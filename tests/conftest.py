@@ -79,6 +79,20 @@ _stderr = {}
 def pytest_configure(config):
     # The terminal's stderr, kept before tests capture it: the dump must outlive the process.
     _stderr["file"] = os.fdopen(os.dup(2), "w")
+    _share_the_cores(config)
+
+
+def _share_the_cores(config):
+    """Workers split the cores instead of each running a BLAS thread per core: oversubscribed
+    OpenBLAS threads spin against each other (the suite spent as long in the kernel as in its
+    own code).  Set here, in the controller, before the workers start, so the workers and the
+    processes they start read it when their BLAS loads; a serial run, whose BLAS has already
+    loaded, is left as it is (the variable would misname its setup)."""
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if workers in ("auto", "logical"):
+        workers = os.cpu_count() or 1
+    if workers > 1 and not os.environ.get("PYTEST_XDIST_WORKER") and "OPENBLAS_NUM_THREADS" not in os.environ:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.hookimpl(hookwrapper=True)
