@@ -254,6 +254,32 @@ def test_every_reply_tells_its_verify_rows(tmp_path, monkeypatch):
     assert second.engine["verify_rows"].startswith(verdict.describe())
 
 
+def test_a_model_listing_names_the_verdict_kept_before_it_loads(tmp_path, monkeypatch):
+    """``/v1/models`` of a model the server has not loaded yet: the verdict this machine keeps
+    for the files it loads from (probed here through the Python API), not "not probed"; and
+    "not probed" for another model's files, and for a target whose config changed since."""
+    from dflash2_mlx import load
+    from dflash2_mlx.backend.pool import EnginePool
+    from dflash2_mlx.backend.server import _model_card
+    from dflash2_mlx.backend.settings import SettingsStore
+    from tiny_models import make_target, on_worker
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    probed = on_worker(make_target, tmp_path / "models" / "probed")
+    on_worker(make_target, tmp_path / "models" / "other", seed=5)
+    pool = EnginePool(SettingsStore(tmp_path / "settings.json"), model_dir=tmp_path / "models")
+    card = lambda name: _model_card(pool, name)["dflash"]["verify_rows"]
+    assert card("probed") == exactness.NOT_PROBED
+
+    model = on_worker(lambda: load(str(probed))[0])
+    verdict = on_worker(exactness.verdict, model, try_pass=False)
+    assert card("probed") == verdict.describe()
+    assert card("other") == exactness.NOT_PROBED
+    config = probed / "config.json"
+    config.write_text(config.read_text().replace("{", '{"note": "edited", ', 1))
+    assert card("probed") == exactness.NOT_PROBED
+
+
 PASS_FAMILIES = ["llama", "qwen3_moe", "qwen3_5", "qwen3_next"]
 
 

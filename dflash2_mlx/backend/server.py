@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..distributed import follow
 from ..loop import exactness
+from ..model.checkpoint import resolved_here
 from . import anthropic, ollama, openapi, responses
 from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
 from .pool import EnginePool, UnknownModel
@@ -247,9 +248,15 @@ def _model_card(pool: EnginePool, model_id: str) -> dict:
     except SettingsError as e:
         card["dflash"] = {"error": str(e)}
         return card
-    # Whether greedy replies are plain decoding's here (loop/exactness.py), once measured.
+    # Whether greedy replies are plain decoding's here (loop/exactness.py), once measured (by
+    # any surface: a model not loaded yet is named by the files it loads from).
     engine = pool.engines.get(model_id)
-    card["dflash"]["verify_rows"] = exactness.note(engine.model if engine is not None else None)
+    if engine is not None and engine.model is not None:
+        card["dflash"]["verify_rows"] = exactness.note(engine.model)
+    else:
+        where = resolved_here(pool.path_of(model_id))
+        card["dflash"]["verify_rows"] = (exactness.note_of_source(exactness.source_of(where)) if where is not None
+                                         else exactness.NOT_PROBED)
     if engine is not None:  # loaded: what it has served so far
         card["dflash"]["live"] = engine.live()
     return card

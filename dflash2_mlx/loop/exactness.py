@@ -209,8 +209,50 @@ def note(model) -> str:
 
 def known(model) -> Optional[Verdict]:
     """The kept verdict for ``model`` (None: not measured on this machine yet)."""
-    data = store.read(store.cache_dir() / f"exact-{_key(model)}.json")
+    return _kept(_key(model))
+
+
+def _kept(key: str) -> Optional[Verdict]:
+    data = store.read(store.cache_dir() / f"exact-{key}.json")
     try:
         return None if data is None else Verdict(**data)
     except TypeError:
         return None
+
+
+# A verdict is keyed by the loaded model's weights; a server lists models it has not loaded
+# yet.  Each load therefore notes which key the files it read give on this machine, so that a
+# listing can name the verdict of a model this machine has loaded before (by any surface).
+
+
+def _source_key(source: dict) -> str:
+    return store.digest({"probe": PROBE, "source": source, "machine": identity()})
+
+
+def source_of(target_dir, adapter_path=None) -> dict:
+    """What a load read: the target's directory and its config, and the adapters."""
+    from pathlib import Path
+
+    target_dir = Path(target_dir)
+    try:
+        config = (target_dir / "config.json").read_text()
+    except OSError:
+        config = None
+    return {"target": str(target_dir.resolve()), "config": config and store.digest(config),
+            "adapters": str(Path(adapter_path).resolve()) if adapter_path else None}
+
+
+def loaded(model, source: dict):
+    """Note that ``source`` loads as ``model`` on this machine (see ``note_of_source``)."""
+    path = store.cache_dir() / f"source-{_source_key(source)}.json"
+    key = _key(model)
+    if (store.read(path) or {}).get("key") != key:
+        store.write(path, {"key": key})
+
+
+def note_of_source(source: dict) -> str:
+    """``note`` for a model not loaded in this process: the verdict kept for what ``source``
+    loaded as when this machine last loaded it, else NOT_PROBED."""
+    key = (store.read(store.cache_dir() / f"source-{_source_key(source)}.json") or {}).get("key")
+    v = _kept(key) if isinstance(key, str) else None
+    return NOT_PROBED if v is None else v.describe()

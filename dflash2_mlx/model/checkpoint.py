@@ -41,6 +41,22 @@ def resolve(path_or_repo: str) -> Path:
     return Path(snapshot_download(str(path_or_repo), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]))
 
 
+def resolved_here(path_or_repo: str) -> Optional[Path]:
+    """``resolve`` without fetching: a local directory, or a hub id already downloaded; None
+    where neither (a listing must not start a download)."""
+    try:
+        path = Path(path_or_repo).expanduser()
+        if path.exists():
+            return path
+        if str(path_or_repo).count("/") == 1 and not str(path_or_repo).startswith((".", "/", "~")):
+            return Path(snapshot_download(str(path_or_repo), local_files_only=True,
+                                          allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt",
+                                                          "tokenizer.model"]))
+    except Exception:  # not downloaded, or no hub: nothing is known of it here
+        pass
+    return None
+
+
 def read_config(path: Path) -> DrafterConfig:
     file = path / "config.json"
     if not file.is_file():
