@@ -10,7 +10,7 @@ import typer
 # `dflash2-mlx --help` stays fast.
 
 bench_app = typer.Typer(
-    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts), `bench serve` (the server under concurrent clients), `bench agent` (an agent session through each API), `bench distributed` (a target split over ranks) and `bench kernels`.",
+    help="Benchmarks: `bench` (plain vs DFlash v1 vs DFlash 2 on real prompts), `bench serve` (the server under concurrent clients), `bench agent` (an agent session through each API), `bench distributed` (a target split over ranks), `bench soak` (the server for an hour of mixed traffic with faults) and `bench kernels`.",
     invoke_without_command=True, add_completion=False,
 )
 
@@ -188,6 +188,37 @@ def distributed(
     report_of(lambda: run_distributed_bench(mode=mode, ranks=ranks, model=model, draft=draft, samples=samples,
                                    max_tokens=max_tokens, block_size=block_size, timeout=timeout,
                                    log=lambda s: typer.echo(s, err=True)), markdown, write_report, out)
+
+
+@bench_app.command("soak")
+def soak(
+    minutes: float = typer.Option(60.0, "--minutes", help="How long the clients send traffic."),
+    clients: int = typer.Option(6, "--clients", "-c", help="Concurrent clients (threads), each a seeded mix of APIs, requests and faults."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the inputs and of every client's mix."),
+    max_tokens: int = typer.Option(40, "--max-tokens", help="max_tokens of the checked requests."),
+    kill: bool = typer.Option(True, "--kill/--no-kill", help="kill -9 the server once (at 60% of the run) and restart it."),
+    out: Path = typer.Option(Path("soak-out"), "--out", "-o", help="Report directory: soak.json, soak.md, soak.png, the server's log, its home and disk tier."),
+):
+    """The server on the built-in pair under an agent setup's mixed traffic for an hour, with
+    faults (hang-ups, bad and oversize requests, a settings reload, a kill -9): replies checked
+    against plain decoding, RSS, disk tier, counters and latency sampled.  Exits 1 when an
+    expectation does not hold."""
+    from ..eval.soak import SoakConfig, markdown, run_soak, write_report
+
+    if minutes <= 0 or clients < 1 or max_tokens < 1:
+        raise typer.BadParameter("--minutes must be > 0, --clients and --max-tokens >= 1")
+    cfg = SoakConfig(minutes=minutes, clients=clients, seed=seed, max_tokens=max_tokens, kill=kill)
+    holder = {}
+
+    def run():
+        holder["report"] = run_soak(cfg, out, say=lambda s: typer.echo(s, err=True))
+        return holder["report"]
+
+    report_of(run, markdown, write_report, out)
+    failed = [k for k, line in holder["report"]["lines"].items() if not line["ok"]]
+    if failed:
+        typer.echo("!!! expectations that did not hold: " + ", ".join(failed), err=True)
+        raise typer.Exit(1)
 
 
 @bench_app.command("kernels")

@@ -278,12 +278,17 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
             exact_note = exactness_of(model, False)[0]
     else:
         tokens = _plain_steps(model, ids[cached_tokens:], max_tokens, params, **shared)
-    # The prompt's time starts here: a first use's calibration and probe (above) are not its.
+    # The prompt's time starts here: a first use's calibration (above) is not its.
     tic = time.perf_counter()
+    owed = _probe_owed(policy)
     try:
         # As mlx-lm's stream_generate: on Metal the weights stay wired while it decodes.
         with wired_limit(model):
             for r in _responses(tokens, tokenizer, ids, limit, tic, continues):
+                if r.finish_reason is not None and owed is not None:
+                    owed.first_use, owed = False, None
+                    exactness.at_first_use(model)
+                    exact_note = exact_note if exact else exactness_of(model, False)[0]
                 r.exactness = exact_note
                 yield r
     finally:
@@ -317,6 +322,14 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, params: SamplingParams
         draft_window=draft_window, draft_sink=draft_sink, prompt_cache=prompt_cache,
         context=draft_context, cached_tokens=cached_tokens, lookup=lookup, settle=chat,
         tree_budget=tree_budget, costs=costs, **shared)
+
+
+def _probe_owed(policy):
+    """The cost model ``policy`` prices with when this process measured it at the pair's first
+    use (its reply ends with the exactness probe), else None."""
+    costs = getattr(policy, "costs", None)
+    costs = getattr(costs, "costs", costs)  # under the live timing's correction
+    return costs if getattr(costs, "first_use", False) else None
 
 
 def exactness_of(model, exact: bool) -> Tuple[str, Optional[str]]:

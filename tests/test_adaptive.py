@@ -479,10 +479,16 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     adaptive.cost_models.clear()
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
-    costs = adaptive.cost_model(target, drafter)
+    # A first use measures a chain's rows and its copies' (coarse); a tree's first need, the
+    # whole curve: the grid, and the middles where the curve between two of its rows was not
+    # straight.
+    first = adaptive.cost_model(target, drafter)
+    assert first.coarse and first.first_use and set(first.target) == set(range(1, 9)) | {12, 15}
+    assert "first_use" not in first.to_json()
+    costs = adaptive.cost_model(target, drafter, whole=True)
+    assert not costs.coarse and not costs.first_use
     files = list((tmp_path / "adaptive").glob("costs-*.json"))
     assert len(files) == 1
-    # The grid, and the middles where the curve between two of its rows was not straight.
     grid = set(range(1, 10)) | {12, 15, 17, 33, 40}
     assert grid <= set(costs.target) <= set(range(1, 41)) and set(costs.drafter) == {2, 8}
     short = adaptive.CONTEXTS[0]
@@ -500,7 +506,7 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
     stale["created"] = time.time() - adaptive.STALE_AFTER_S - 1
     files[0].write_text(json.dumps(stale))
     adaptive.cost_models.clear()
-    assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again
+    assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again (coarse)
     extra = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1), sizes=[4])
     assert grid <= set(extra.target) <= set(range(1, 41)) and set(extra.drafter) == {2, 4, 8}
     other = pair["qwen3_5"]

@@ -108,8 +108,12 @@ def test_messages_without_content_are_refused_everywhere(loaded, server, tmp_pat
     file.write_text(json.dumps([{"role": "user"}]))
     r = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "none"), "--messages-file", str(file)])
     assert r.exit_code == 2 and "has no content" in r.stderr, r.output
-    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user"}]}, timeout=60)
-    assert r.status_code == 400, r.text
+    no_content = [{"role": "user"}]
+    for path, body in (("/v1/chat/completions", {}), ("/v1/messages", {"max_tokens": 4}), ("/api/chat", {}),
+                       ("/v1/responses", {})):  # every API's chat route
+        key = "input" if path == "/v1/responses" else "messages"
+        r = httpx.post(server + path, json={"model": "tiny", key: no_content, **body}, timeout=60)
+        assert r.status_code == 400 and "content" in r.text, (path, r.status_code, r.text)
 
 
 def test_zero_top_p_is_mlx_lms_off(loaded):

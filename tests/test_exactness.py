@@ -254,6 +254,28 @@ def test_every_reply_tells_its_verify_rows(tmp_path, monkeypatch):
     assert second.engine["verify_rows"].startswith(verdict.describe())
 
 
+def test_a_first_use_probes_at_the_end_of_its_reply_not_before_its_first_token(pair, tmp_path, monkeypatch):
+    """A pair's first use measures its costs (coarse) before the first token and leaves the
+    probe to the end of that reply, whose last response tells the verdict; the next reply
+    neither measures nor probes."""
+    from dflash2_mlx import adaptive
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    adaptive.cost_models.clear()
+    _, model, tok, drafter = pair
+    verdicts = lambda: list((tmp_path / "adaptive").glob("exact-*.json"))
+    stream = d.stream_generate(model, tok, "abcab", drafter, max_tokens=6, block_size="auto")
+    first = next(stream)
+    assert list((tmp_path / "adaptive").glob("costs-*.json")) and not verdicts()
+    assert first.exactness.startswith(exactness.NOT_PROBED)
+    last = list(stream)[-1]
+    assert len(verdicts()) == 1 and last.exactness == exactness_of(model, False)[0]
+    assert not last.exactness.startswith(exactness.NOT_PROBED)
+    before = verdicts()[0].stat().st_mtime_ns
+    again = list(d.stream_generate(model, tok, "abcab", drafter, max_tokens=6, block_size="auto"))[-1]
+    assert again.exactness == last.exactness and verdicts()[0].stat().st_mtime_ns == before
+
+
 def test_a_model_listing_names_the_verdict_kept_before_it_loads(tmp_path, monkeypatch):
     """``/v1/models`` of a model the server has not loaded yet: the verdict this machine keeps
     for the files it loads from (probed here through the Python API), not "not probed"; and

@@ -23,7 +23,7 @@ STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again
 BUSY_RETRY_S = 120.0  # ... one measured while other processes used the machine, after this
 CONTEXTS = (16, 1024)  # context lengths (tokens) the calibration measures at
 PLAIN_RUN = 4  # pipelined plain steps timed together (one alone would pay the pipeline's fill)
-CALIBRATION = 10  # bumped when calibrate() measures differently: older cost files are remeasured
+CALIBRATION = 11  # bumped when calibrate() measures differently: older cost files are remeasured
 # A block measured dearer than a larger one by more than this is measured again (REDO_ROUNDS
 # rounds, interleaved with the larger ones); if it still is, it is a step of the machine's.
 STEP = 1.25
@@ -36,6 +36,11 @@ COPY_ROWS = (12, COPY_LARGEST)
 # Rows of the trees ``--tree-budget auto`` weighs (8, 16 and 32 nodes and the anchor): a
 # curve may step between them (a GPU's matmul tiles), so each is measured, not extrapolated.
 TREE_ROWS = (9, 17, 33)
+# A pair's first use measures only what a chain's cycles and its copies price (every row
+# count up to the drafter's block and the widest copy, each the fastest of COARSE_ROUNDS):
+# the first reply waits seconds, not the minute a whole curve takes.  The whole curve (tree
+# rows, the widest passes, refinements, more rounds) is measured when a tree first needs it.
+COARSE_ROUNDS = 2
 LARGEST_ROWS = 40  # the widest pass calibrated; wider ones are priced as it
 # Where the curve between two measured row counts is not a straight line (the middle row
 # count costs more than LINEAR off the line through them), the middle is measured and both
@@ -69,6 +74,11 @@ class CostModel:
     created: float = field(default_factory=time.time)
     calibration_s: float = 0.0
     busy: float = 0.0  # the share of the machine's cores other processes used while it was measured
+    coarse: bool = False  # measured at a first use: a chain's and its copies' rows only (COARSE_ROUNDS)
+    # Measured by this process at the pair's first use: the reply it was measured for ends
+    # with the exactness probe (``generate.py``), so that the first token waits for the costs
+    # only.  Not kept on disk.
+    first_use: bool = field(default=False, compare=False, repr=False)
 
     def expired(self) -> bool:
         """Measure again: after a week, or soon when it was measured on a busy machine."""
@@ -91,16 +101,18 @@ class CostModel:
         ``exact=True`` verifies with where passes are not row-exact (``loop/exactness.py``)."""
         base, slope = interp(self.target, 1)
         return CostModel({b: (b * base, b * slope) for b in range(1, largest + 1)}, self.drafter,
-                         self.created, self.calibration_s, self.busy)
+                         self.created, self.calibration_s, self.busy, self.coarse)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("first_use")
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         lines = lambda d: {int(k): tuple(v) for k, v in d.items()}
         return cls(lines(data["target"]), lines(data["drafter"]), data["created"],
-                   data.get("calibration_s", 0.0), data.get("busy", 0.0))
+                   data.get("calibration_s", 0.0), data.get("busy", 0.0), bool(data.get("coarse", False)))
 
 
 def _pad(cache, n: int):
@@ -122,7 +134,7 @@ def _timed(fn) -> float:
 
 
 def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = (3, 8),
-              sizes: Optional[List[int]] = None, redo: bool = True) -> CostModel:
+              sizes: Optional[List[int]] = None, redo: bool = True, coarse: bool = False) -> CostModel:
     """Measure target passes over every block up to 8 rows (and B, COPY_ROWS for copies
     wider than B, and TREE_ROWS for trees) and drafter steps with blocks 2 and B (and ``sizes``) at a short context,
     1 and B rows at a long one, and fit ``base + slope * context`` per block size (others
@@ -136,7 +148,8 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     ``STEP`` is priced as the larger block (``steps_kept``); a step that holds (a GPU whose
     quantized matmul tiles from 8 rows: 8 rows cheaper than 5) is kept.  Without ``redo``
     nothing is measured again: the ranks of a split target calibrate together, pass for pass,
-    and one rank's timings must not add passes the others do not run."""
+    and one rank's timings must not add passes the others do not run.  ``coarse``: a first
+    use's (COARSE_ROUNDS rounds; no tree rows, no widest pass, nothing measured again)."""
     from .. import tree as trees
 
     tic, watch = time.perf_counter(), Watch()
@@ -181,10 +194,12 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
             c.trim(1)
 
     sizes = sorted(set(sizes or []) | {2, B})
-    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B} | set(TREE_ROWS)
-                  | {LARGEST_ROWS})
+    rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B}
+                  | (set() if coarse else set(TREE_ROWS) | {LARGEST_ROWS}))
+    if coarse:
+        rounds, budget_s, redo = (COARSE_ROUNDS, COARSE_ROUNDS), 0.0, False
     points = ([(target_pass, b, short) for b in [1] + rows]
-              + [(target_pass, b, long) for b in {1, B, *TREE_ROWS}]
+              + [(target_pass, b, long) for b in {1, B, *(() if coarse else TREE_ROWS)}]
               + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
     for p in points:
         if p[0] is target_pass and p[1] > 1:
@@ -237,7 +252,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
         return out
 
     return CostModel(lines(target_pass, [1] + rows), lines(drafter_step, sizes),
-                     calibration_s=time.perf_counter() - tic, busy=watch.others())
+                     calibration_s=time.perf_counter() - tic, busy=watch.others(), coarse=coarse)
 
 
 def shaped(target, cache, rows: int, depth: int):
@@ -311,36 +326,41 @@ def cost_key(target, drafter) -> str:
 cost_models: Dict[str, CostModel] = {}  # this process's, by ``cost_key``
 
 
-def cost_model(target, drafter, key: Optional[str] = None) -> CostModel:
+def cost_model(target, drafter, key: Optional[str] = None, whole: bool = False) -> CostModel:
     """The pair's cost model on this machine: from memory, else from disk when fresh,
-    else calibrated now (and saved).  ``key``: the pair's ``cost_key``, when the caller has it."""
+    else calibrated now (and saved): a first use's coarse one, or with ``whole`` (a tree's
+    rows, an exported cost file) the whole curve.  ``key``: the pair's ``cost_key``, when the
+    caller has it."""
     key = key or cost_key(target, drafter)
     costs = cost_models.get(key)
-    if costs is None or costs.expired():
+    if costs is None or costs.expired() or (whole and costs.coarse):
         path = store.cache_dir() / f"costs-{key}.json"
         data = store.read(path)
         try:
             costs = CostModel.from_json(data)
         except (TypeError, KeyError, ValueError, AttributeError):
             costs = None
-        if costs is None or costs.expired():
-            costs = measured(target, drafter, path)
+        if costs is None or costs.expired() or (whole and costs.coarse):
+            costs = measured(target, drafter, path, coarse=not whole)
         cost_models[key] = costs
     return costs
 
 
-def measured(target, drafter, path) -> CostModel:
-    """A fresh calibration, kept at ``path``.  One taken while other processes used the
-    machine is taken again at once; if the machine is still busy the quieter one is used by
-    this process for BUSY_RETRY_S and not kept: a busy machine's prices would send adaptive
-    decoding to plain steps (or trees to chains) for days."""
+def measured(target, drafter, path, coarse: bool = False) -> CostModel:
+    """A fresh calibration (a first use's ``coarse`` one, or the whole curve), kept at
+    ``path``.  One taken while other processes used the machine is taken again at once; if
+    the machine is still busy the quieter one is used by this process for BUSY_RETRY_S and
+    not kept: a busy machine's prices would send adaptive decoding to plain steps (or trees
+    to chains) for days."""
     # Said, not silent: the first request on a machine waits for it (seconds).
-    print("dflash2-mlx: first use: timing this pair's passes and probing its rows on this machine (once; "
-          "`dflash2-mlx doctor --recalibrate` measures again) ...", end=" ", file=sys.stderr, flush=True)
+    what = ("timing this pair's passes on this machine (once" if coarse else
+            "timing this pair's tree and widest passes on this machine (once, at a first tree")
+    print(f"dflash2-mlx: first use: {what}; `dflash2-mlx doctor --recalibrate` measures again) ...", end=" ",
+          file=sys.stderr, flush=True)
     tic = time.perf_counter()
-    costs = calibrate(target, drafter)
+    costs = calibrate(target, drafter, coarse=coarse)
     if costs.busy > BUSY_SHARE:
-        again = calibrate(target, drafter)
+        again = calibrate(target, drafter, coarse=coarse)
         costs = min(costs, again, key=lambda c: c.busy)
     if costs.busy > BUSY_SHARE:
         print(f"done in {time.perf_counter() - tic:.0f} s, but other processes used {costs.busy:.0%} of this "
@@ -348,10 +368,7 @@ def measured(target, drafter, path) -> CostModel:
               file=sys.stderr, flush=True)
         return costs
     store.write(path, costs.to_json())
-    # Kept beside the calibration: whether verify rows are row-exact here (loop/exactness.py).
-    from ..loop import exactness
-
-    exactness.at_first_use(target)
+    costs.first_use = coarse
     print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
     return costs
 
@@ -368,7 +385,7 @@ def export_costs(target, drafter, path) -> CostModel:
     machine can load with ``load_costs`` (``--cost-file``) to decide as this one would."""
     from ..machine.identity import describe
 
-    costs = cost_model(target, drafter)
+    costs = cost_model(target, drafter, whole=True)
     store.write(Path(path), {**costs.to_json(), "pair": pair_digest(target, drafter),
                              "machine": describe()})
     return costs

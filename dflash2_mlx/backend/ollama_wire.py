@@ -167,6 +167,9 @@ class Message(_Strict):
     def _calls_are_assistants(self):
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls belong in an assistant message")
+        # As every other API here: only an assistant's (tool calls) may come without content.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (text)")
         return self
 
 

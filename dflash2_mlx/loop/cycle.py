@@ -219,6 +219,8 @@ def speculative_generate_step(
         # The calibrated curve names the trees: a policy's live timing corrects a chain's or a
         # copy's cycle, not a tree's (tree cycles are timed by ``trees.Arms`` itself).
         costs = costs.costs if isinstance(costs, adaptive.Corrected) else costs
+        if getattr(costs, "coarse", False):  # a first use measured a chain's rows only: a tree's are measured now
+            costs = adaptive.cost_model(target, drafter, whole=True)
     arms = {}  # block size -> the live choice of its trees' nodes (tree_budget "auto")
     try:
         yield seq.out(anchor, logprobs[0])

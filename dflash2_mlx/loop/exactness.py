@@ -189,13 +189,21 @@ def machine_digest() -> str:
     return store.digest(identity())
 
 
-def at_first_use(target) -> None:
-    """Probe ``target``'s model beside its first cost calibration, unless it was already
-    (a one-machine target: a split target's ranks would have to probe in step)."""
+def at_first_use(model) -> None:
+    """Probe ``model`` at the end of the reply its pair's first cost calibration was made
+    for, unless it was already (a one-machine target: a split target's ranks would have to
+    probe in step)."""
+    import sys
+    import time
+
     from ..distributed import group_of
 
-    if target.stage is None and group_of(target.model) is None and known(target.model) is None:
-        verdict(target.model, try_pass=False)
+    if group_of(model) is None and known(model) is None:
+        print("dflash2-mlx: first use: probing whether this target's verify rows are row-exact on this machine "
+              "(once) ...", end=" ", file=sys.stderr, flush=True)
+        tic = time.perf_counter()
+        verdict(model, try_pass=False)
+        print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
 
 
 NOT_PROBED = "not probed on this machine"
