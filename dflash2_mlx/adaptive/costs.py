@@ -40,7 +40,10 @@ TREE_ROWS = (9, 17, 33)
 # count up to the drafter's block and the widest copy, each the fastest of COARSE_ROUNDS):
 # the first reply waits seconds, not the minute a whole curve takes.  The whole curve (tree
 # rows, the widest passes, refinements, more rounds) is measured when a tree first needs it.
-COARSE_ROUNDS = 2
+# The short context's points take one round more than the long one's: a chain's price at a
+# short context is what sends a reply to blocks or to plain steps, and two rounds of it now
+# and then left every multi-row pass a third dearer than it is.
+COARSE_ROUNDS = (3, 2)  # (at the short context, at the long one)
 LARGEST_ROWS = 40  # the widest pass calibrated; wider ones are priced as it
 # Where the curve between two measured row counts is not a straight line (the middle row
 # count costs more than LINEAR off the line through them), the middle is measured and both
@@ -149,7 +152,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     quantized matmul tiles from 8 rows: 8 rows cheaper than 5) is kept.  Without ``redo``
     nothing is measured again: the ranks of a split target calibrate together, pass for pass,
     and one rank's timings must not add passes the others do not run.  ``coarse``: a first
-    use's (COARSE_ROUNDS rounds; no tree rows, no widest pass, nothing measured again)."""
+    use's (COARSE_ROUNDS; no tree rows, no widest pass, nothing measured again)."""
     from .. import tree as trees
 
     tic, watch = time.perf_counter(), Watch()
@@ -197,7 +200,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
     rows = sorted(set(sizes) | set(range(2, min(B, 8) + 1)) | {r for r in COPY_ROWS if r > B}
                   | (set() if coarse else set(TREE_ROWS) | {LARGEST_ROWS}))
     if coarse:
-        rounds, budget_s, redo = (COARSE_ROUNDS, COARSE_ROUNDS), 0.0, False
+        rounds, budget_s, redo = (COARSE_ROUNDS[0], COARSE_ROUNDS[0]), 0.0, False
     points = ([(target_pass, b, short) for b in [1] + rows]
               + [(target_pass, b, long) for b in {1, B, *(() if coarse else TREE_ROWS)}]
               + [(drafter_step, b, short) for b in sizes] + [(drafter_step, B, long)])
@@ -215,7 +218,7 @@ def calibrate(target, drafter, budget_s: float = 3.0, rounds: Tuple[int, int] = 
 
     for r in range(rounds[1]):
         start = time.perf_counter()
-        measure(points, 1)
+        measure([p for p in points if not (coarse and r >= COARSE_ROUNDS[1] and p[2] == long)], 1)
         now = time.perf_counter()
         if r + 1 >= rounds[0] and now + (now - start) - tic > budget_s:
             break

@@ -68,6 +68,7 @@ class SoakConfig:
     prefix_cache_gb: float = 0.02  # small: entries spill to the disk tier
     ssd_cache_bytes: int = 2**30  # a 7k-token prompt's cache is about 320 MB
     window: int = 8192  # max_context_window; an oversize prompt is longer
+    prompt_chars: int = 0  # cut every short prompt and chat turn to this many characters (0: whole)
 
 
 RELOAD_AT, KILL_AT = 0.35, 0.6
@@ -100,6 +101,7 @@ def inputs(cfg: SoakConfig) -> dict:
     drawn = sample_prompts(files, -(-need // len(files)), seed=cfg.seed)
     texts = [_text(p) for i in range(max(map(len, drawn.values()))) for ps in drawn.values() if i < len(ps)
              for p in [ps[i]]][:need]
+    texts = [t[:cfg.prompt_chars] if cfg.prompt_chars else t for t in texts]
     short = [{"api": APIS[i % len(APIS)], "text": t} for i, t in enumerate(texts[:cfg.short_inputs])]
     rest = texts[cfg.short_inputs:]
     chats = [rest[i * cfg.turns:(i + 1) * cfg.turns] for i in range(cfg.chats)]
@@ -402,11 +404,15 @@ class Soak:
         self.paused = threading.Event()  # soak-b4 left idle for the reload
         self.down = threading.Event()  # the server is being killed and restarted
         self.stop_at = 0.0
+        self.boot_s = self.references_first_s = None  # start to a first answer, at the run's start
 
     # -- references, before the run
     def references(self):
         c = Clients(self.server.base)
         try:
+            tic = time.time()
+            c.send("openai-chat", "plain", self.messages("hello"), 8)
+            self.references_first_s = time.time() - tic
             for item in self.inputs["short"] + self.inputs["long"]:
                 self.refs[self.key(item)] = c.send(item["api"], "plain", self.messages(item["text"]),
                                                    self.cfg.max_tokens)["text"]
@@ -418,6 +424,15 @@ class Soak:
                     replies.append(reply)
                     messages = messages + [{"role": "assistant", "content": reply}]
                 self.chat_refs.append(replies)
+        finally:
+            c.close()
+
+    def warm_up(self):
+        """The first long prompt on ``soak`` before the clock starts: a first use measures the
+        pair's costs, and the prompt's cache is then on the disk tier for the restart to find."""
+        c = Clients(self.server.base)
+        try:
+            c.send("openai-chat", "soak", self.messages(self.inputs["long"][0]["text"]), 4)
         finally:
             c.close()
 
@@ -588,11 +603,14 @@ class Soak:
         cfg, server = self.cfg, self.server
         self.say(f"soak: starting the server (models soak, soak-b4, plain; log {self.work / 'server.log'})")
         try:
-            server.start()
+            boot = server.start()
             tic = time.time()
             self.references()
+            self.boot_s = boot + self.references_first_s  # to /health, then a model's load and one reply
+            self.warm_up()
             self.say(f"soak: {len(self.refs)} greedy references and {len(self.chat_refs)} chats from plain "
-                     f"decoding in {time.time() - tic:.0f} s; {cfg.clients} clients for {cfg.minutes:g} min")
+                     f"decoding, and the DFlash models warmed up, in {time.time() - tic:.0f} s; {cfg.clients} "
+                     f"clients for {cfg.minutes:g} min")
             self.log = Log()
             self.stop_at = time.time() + cfg.minutes * 60
             threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(cfg.clients)]
@@ -653,7 +671,7 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
     gap = lambda rows: p95([g for r in rows for g in r["gaps"]])
     aborted = sum((m.get("aborted_requests") or 0) for m in (final.get("models") or {}).values())
     hang_after_kill = [r for r in hang if kill is None or r["t"] > kill["t"]]
-    boot = soak.server.starts[0] if soak.server.starts else None
+    boot = soak.boot_s
     latency = p95([r["seconds"] for r in checked if r["kind"] == "short"])
     disk_max = max((s["disk"] for s in log.samples), default=0)
 
@@ -684,7 +702,7 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
         lines["restart_answers_in_time"] = {
             "value": kill["first_answer_s"], "ok": kill["first_status"] == 200 and boot is not None
             and latency is not None and kill["first_answer_s"] <= boot * 1.5 + latency,
-            "want": f"<= start time {boot:.1f} s x1.5 + p95 short request {latency or 0:.1f} s"}
+            "want": f"<= first start to a first reply {boot or 0:.1f} s x1.5 + p95 short request {latency or 0:.1f} s"}
         lines["disk_tier_serves_after_restart"] = {"value": kill["ssd_hits_after"], "ok": kill["ssd_hits_after"] > 0,
                                                    "want": "> 0 disk hits"}
     if reload is not None:
