@@ -712,6 +712,7 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
         counts[r.get("kind")] = counts.get(r.get("kind"), 0) + 1
     return {"config": {**asdict(cfg), "machine": describe(), "probe_max_abs_diff": margin},
             "lines": lines, "counts": counts, "differing": differ[:50], "unshaped": [r for r in bad if not r["shaped"]][:20],
+            "errors": errors[:50],
             "events": log.events,
             "samples": [{k: v for k, v in s.items() if k != "metrics"} for s in log.samples],
             "latency": [{"t": r["t"], "seconds": r["seconds"], "ttft": r["ttft"]} for r in checked],
