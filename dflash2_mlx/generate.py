@@ -90,10 +90,11 @@ def load(target: Optional[str] = None, draft: Optional[str] = None, *,
         dist.check_mode(distributed)
         group = dist.init(group)
         fingerprint.check(group, resolve(target), resolve(draft) if draft is not None else None)
-    model, tokenizer = mlx_lm.load(str(resolve(target)), adapter_path=adapters and str(adapters),
+    target_dir = resolve(target)
+    model, tokenizer = mlx_lm.load(str(target_dir), adapter_path=adapters and str(adapters),
                                    tokenizer_config=tokenizer_config or {}, lazy=distributed is not None)
     if distributed is None:
-        exactness.loaded(model, exactness.source_of(resolve(target), adapters))
+        exactness.loaded(model, exactness.source_of(target_dir, adapters))
     drafter = None
     if draft is not None:
         drafter = load_drafter(draft, target=model)  # checked against the whole target

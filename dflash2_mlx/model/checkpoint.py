@@ -31,30 +31,24 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
-def resolve(path_or_repo: str) -> Path:
-    """A local directory, or a hub id fetched with huggingface_hub (json + safetensors only)."""
+def resolve(path_or_repo: str, fetch: bool = True) -> Path:
+    """A local directory, or a hub id fetched with huggingface_hub (json + safetensors only);
+    without ``fetch``, only a hub id already downloaded (a listing must not start a download)."""
     path = Path(path_or_repo).expanduser()
     if path.exists():
         return path
     if str(path_or_repo).startswith((".", "/", "~")) or str(path_or_repo).count("/") != 1:
         raise CheckpointError(f"no such directory: {path_or_repo}")
-    return Path(snapshot_download(str(path_or_repo), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]))
+    return Path(snapshot_download(str(path_or_repo), local_files_only=not fetch,
+                                  allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]))
 
 
 def resolved_here(path_or_repo: str) -> Optional[Path]:
-    """``resolve`` without fetching: a local directory, or a hub id already downloaded; None
-    where neither (a listing must not start a download)."""
+    """``resolve`` without fetching; None where the model is not on this machine."""
     try:
-        path = Path(path_or_repo).expanduser()
-        if path.exists():
-            return path
-        if str(path_or_repo).count("/") == 1 and not str(path_or_repo).startswith((".", "/", "~")):
-            return Path(snapshot_download(str(path_or_repo), local_files_only=True,
-                                          allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt",
-                                                          "tokenizer.model"]))
-    except Exception:  # not downloaded, or no hub: nothing is known of it here
-        pass
-    return None
+        return resolve(path_or_repo, fetch=False)
+    except Exception:  # no such directory, not downloaded, or no hub: nothing is known of it here
+        return None
 
 
 def read_config(path: Path) -> DrafterConfig:
