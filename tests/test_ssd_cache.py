@@ -7,6 +7,7 @@ model's layout, a dead writer's temporary file goes at start); the disk stays wi
 import asyncio
 import logging
 import os
+import threading
 from dataclasses import replace
 
 import mlx.core as mx
@@ -16,7 +17,8 @@ from mlx_lm.sample_utils import make_logits_processors
 from dflash2_mlx.backend.engine import Engine
 from dflash2_mlx.backend.pool import EnginePool
 from dflash2_mlx.backend.settings import ModelSettings, SettingsError, SettingsStore
-from dflash2_mlx.backend.ssd_cache import checksum
+from dflash2_mlx.backend.prefix_cache import Entry
+from dflash2_mlx.backend.ssd_cache import DiskTier, checksum
 from tiny_models import make_drafter, on_worker
 
 NO_EOS = {1: -100.0}
@@ -30,7 +32,11 @@ def _engine(target, drafter, disk, **settings):
 
 
 def _run(engine, prompt, max_tokens=12):
-    return asyncio.run(engine.generate(prompt, max_tokens=max_tokens, logit_bias=NO_EOS))
+    """One request, and its entry on disk (the writer thread done) before the test looks."""
+    reply = asyncio.run(engine.generate(prompt, max_tokens=max_tokens, logit_bias=NO_EOS))
+    if engine.prefix_cache.disk is not None:
+        engine.prefix_cache.disk.flush()
+    return reply
 
 
 def _reference(reference, prompt, max_tokens=12):
@@ -239,3 +245,55 @@ def test_a_dead_writers_temporary_file_is_removed_at_start(cache_pair, tmp_path)
         assert engine.get_stats()["prefix_cache_ssd_entries"] == len(files)
     finally:
         asyncio.run(engine.stop())
+
+
+def _entry(tokens):
+    """An entry of every dtype a cache holds: bf16 keys and values, fp32 recurrent state,
+    int32 lengths."""
+    kv = lambda seed: mx.random.normal((1, 2, len(tokens), 8), key=mx.random.key(seed)).astype(mx.bfloat16)  # noqa: E731
+    target = [(kv(0), kv(1)), ([mx.random.normal((1, 3, 4), key=mx.random.key(2)), None], mx.array([len(tokens)]))]
+    draft = [(kv(3)[..., :4], kv(4)[..., :4])]  # a slice: not contiguous in memory
+    arrays = [a for pair in target + draft for part in pair for a in (part if isinstance(part, list) else [part])
+              if a is not None]
+    mx.eval(arrays)
+    return Entry(tuple(tokens), target, draft, False, sum(a.nbytes for a in arrays))
+
+
+def _same(a: Entry, b: Entry):
+    assert a.tokens == b.tokens and a.trimmable == b.trimmable and len(a.draft) == len(b.draft)
+    for x, y in zip(a.target + a.draft, b.target + b.draft):
+        for p, q in zip(x, y):
+            for u, v in zip(p if isinstance(p, list) else [p], q if isinstance(q, list) else [q]):
+                assert (u is None) == (v is None)
+                if u is not None:
+                    assert u.dtype == v.dtype and u.shape == v.shape and mx.array_equal(u, v).item()
+
+
+def test_the_writer_thread_serves_an_entry_until_its_file_is_in_place(tmp_path, monkeypatch):
+    """An entry handed to the disk tier is found and served from memory while the writer has
+    it; its file then reads back the same arrays (the writer's own safetensors, checksum
+    included), in this tier and in the next one opened on the directory."""
+    from dflash2_mlx.backend import ssd_cache
+
+    go, started = threading.Event(), threading.Event()
+    write = ssd_cache._write_safetensors
+
+    def held(*args):  # the writer waits for the test: the entry is pending meanwhile
+        started.set()
+        assert go.wait(30)
+        write(*args)
+
+    monkeypatch.setattr(ssd_cache, "_write_safetensors", held)
+    disk = DiskTier(tmp_path, 10**8)
+    entry = _entry([5, 6, 7, 8])
+    disk.put(entry)
+    assert started.wait(30)
+    name, n = disk.best([5, 6, 7, 8, 9], draft=True)
+    assert n == 4 and disk.load(name) is entry and not list(tmp_path.glob("*.safetensors"))
+    go.set()
+    disk.flush()
+    assert not disk.pending and disk.stats()["prefix_cache_ssd_entries"] == 1
+    _same(disk.load(name), entry)
+    again = DiskTier(tmp_path, 10**8)
+    assert again.best([5, 6, 7, 8, 9], draft=True) == (name, 4)
+    _same(again.load(name), entry)

@@ -404,11 +404,15 @@ class PrefixCache:
         give_back_freed()
 
     def close(self):
-        """Let every entry go: to the disk tier, if there is one, oldest first."""
+        """Let every entry go: to the disk tier, if there is one, oldest first, and on disk
+        before this returns (a server shutting down keeps them for the next)."""
         with self._lock:
             entries = list(self.entries.values())
             self.entries.clear()
         self._spill(entries)
+        disk = self.disk
+        if disk is not None:
+            disk.flush()
 
 
 def layout(target: list, draft: Optional[list], tokens: int = 1) -> tuple:

@@ -14,6 +14,12 @@ safetensors, data and never code; on start-up only their token ids and layout ar
 when it died); arrays are read when an entry is restored, and served only if they match
 the checksum written with them and have the shapes the model's caches take.
 Within ``budget`` bytes, the least recently written or used files go first.
+
+Files are written by one writer thread, so that neither the request that lets an entry go
+nor those decoding beside it in a batch wait for its checksum and its bytes to reach the
+disk (an entry of a long prompt is hundreds of megabytes).  The engine's thread hands the
+writer plain bytes (``_Pending``): the writer never runs MLX.  Until its file is in place
+an entry is served from memory, and at most ``WAITING`` entries wait for the writer.
 """
 
 import collections
@@ -22,10 +28,12 @@ import hashlib
 import json
 import logging
 import os
+import queue
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +47,11 @@ from .prefix_cache import Entry, covers, reuse_length
 log = logging.getLogger("dflash2_mlx.serve")
 
 FORMAT = "dflash2-prefix-1"
+WAITING = 2  # entries handed to the writer and not yet on disk; a third waits for room
+# safetensors' names of the dtypes a cache holds
+DTYPES = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16", mx.uint32: "U32",
+          mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64", mx.float16: "F16", mx.bfloat16: "BF16",
+          mx.float32: "F32", mx.float64: "F64"}
 
 
 def default_ssd_cache_dir() -> Path:
@@ -73,12 +86,39 @@ class Spilled:
 def checksum(arrays: dict) -> str:
     """SHA-256 of every array's name, dtype, shape and bytes (a file's tensor bytes can be
     damaged with its header intact)."""
+    return _checksum(_raw(arrays))
+
+
+def _raw(arrays: dict) -> dict:
+    """Every array as (dtype, shape, its bytes in row-major order), by name: what the writer
+    thread hashes and writes without running MLX."""
+    return {name: (a.dtype, a.shape, np.array(mx.contiguous(a).view(mx.uint8)).reshape(-1))
+            for name, a in arrays.items()}
+
+
+def _checksum(raw: dict) -> str:
     h = hashlib.sha256()
-    for name in sorted(arrays):
-        a = arrays[name]
-        h.update(f"{name}:{a.dtype}:{a.shape};".encode())
-        h.update(memoryview(np.array(mx.contiguous(a).view(mx.uint8))))
+    for name in sorted(raw):
+        dtype, shape, data = raw[name]
+        h.update(f"{name}:{dtype}:{shape};".encode())
+        h.update(memoryview(data))
     return h.hexdigest()
+
+
+def _write_safetensors(path: Path, raw: dict, meta: dict):
+    """A safetensors file of ``raw`` arrays (the format's header, then the bytes by name, as
+    MLX orders them)."""
+    raw = dict(sorted(raw.items()))
+    header, offset = {"__metadata__": meta}, 0
+    for name, (dtype, shape, data) in raw.items():
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the bytes start 8-aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for _, _, data in raw.values():
+            f.write(memoryview(data))
 
 
 def _writer_gone(tmp: Path) -> bool:
@@ -98,7 +138,7 @@ def _writer_gone(tmp: Path) -> bool:
 
 
 def _arrays(entry: Entry):
-    """The arrays and metadata of an entry's file."""
+    """The arrays and metadata of an entry's file (its checksum is the writer's to add)."""
     arrays = {"tokens": mx.array(entry.tokens, dtype=mx.uint32)}
     layout = []
     for i, (first, second) in enumerate(entry.target):
@@ -114,7 +154,7 @@ def _arrays(entry: Entry):
     for i, (k, v) in enumerate(entry.draft or []):
         arrays[f"d{i}.k"], arrays[f"d{i}.v"] = k, v
     meta = {"format": FORMAT, "target": json.dumps(layout), "trimmable": str(int(entry.trimmable)),
-            "floor": str(entry.floor), "draft": str(len(entry.draft)) if entry.draft is not None else "none", "sha256": checksum(arrays)}
+            "floor": str(entry.floor), "draft": str(len(entry.draft)) if entry.draft is not None else "none"}
     return arrays, meta
 
 
@@ -138,12 +178,27 @@ def _entry(arrays: dict, meta: dict) -> Entry:
                  int(meta.get("floor", 0)))
 
 
+@dataclass
+class _Pending:
+    """An entry handed to the writer: served from ``entry`` until ``raw`` is on disk."""
+    entry: Entry
+    raw: dict
+    meta: dict
+
+
+def _name(entry: Entry) -> str:
+    return hashlib.sha256(repr((entry.tokens, entry.draft is not None, entry.trimmable)).encode()).hexdigest()[:32]
+
+
 class DiskTier:
     def __init__(self, root, budget_bytes: int):
         self.root = Path(root)
         self.budget = int(budget_bytes)
         self.entries: "collections.OrderedDict[str, Spilled]" = collections.OrderedDict()  # oldest first
+        self.pending: Dict[str, _Pending] = {}  # handed to the writer, not yet on disk
         self._lock = threading.Lock()
+        self._waiting: "queue.Queue[str]" = queue.Queue(maxsize=WAITING)
+        self._writer: Optional[threading.Thread] = None
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -184,21 +239,53 @@ class DiskTier:
         """The entry sharing the longest usable prefix with ``ids``: (name, tokens) or (None, 0)."""
         best, best_n = None, 0
         with self._lock:
-            for name, s in self.entries.items():
-                n = reuse_length(s.tokens, s.draft, s.trimmable, ids, draft, s.floor)
-                if n > best_n:
-                    best, best_n = name, n
+            kept = [(name, s.tokens, s.draft, s.trimmable, s.floor) for name, s in self.entries.items()]
+            kept += [(name, p.entry.tokens, p.entry.draft is not None, p.entry.trimmable, p.entry.floor)
+                     for name, p in self.pending.items()]
+        for name, tokens, has_draft, trimmable, floor in kept:
+            n = reuse_length(tokens, has_draft, trimmable, ids, draft, floor)
+            if n > best_n:
+                best, best_n = name, n
         return best, best_n
 
     def put(self, entry: Entry):
-        """Write ``entry`` (entries it covers go); the oldest files go while over budget."""
+        """Hand ``entry`` to the writer (it waits while ``WAITING`` entries do).  The bytes are
+        taken here, on the caller's thread, where MLX runs."""
         if entry.nbytes > self.budget:
             return
         arrays, meta = _arrays(entry)
-        name = hashlib.sha256(repr((entry.tokens, entry.draft is not None, entry.trimmable)).encode()).hexdigest()[:32]
+        name, pending = _name(entry), _Pending(entry, _raw(arrays), meta)
+        with self._lock:
+            self.pending[name] = pending
+            if self._writer is None or not self._writer.is_alive():
+                self._writer = threading.Thread(target=self._write_all, name="disk-tier-writer", daemon=True)
+                self._writer.start()
+        self._waiting.put(name)
+
+    def flush(self):
+        """Wait until every entry handed over is on disk (or given up)."""
+        self._waiting.join()
+
+    def _write_all(self):
+        while True:
+            name = self._waiting.get()
+            with self._lock:
+                pending = self.pending.get(name)
+            try:
+                if pending is not None:
+                    self._write(name, pending)
+            finally:
+                with self._lock:
+                    if self.pending.get(name) is pending:
+                        del self.pending[name]
+                self._waiting.task_done()
+
+    def _write(self, name: str, pending: _Pending):
+        """Write one entry's file (entries it covers go); the oldest files go while over budget."""
+        entry = pending.entry
         tmp = self.root / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp.safetensors"
         try:
-            mx.save_safetensors(str(tmp), arrays, metadata=meta)
+            _write_safetensors(tmp, pending.raw, {**pending.meta, "sha256": _checksum(pending.raw)})
             size = tmp.stat().st_size
             os.replace(tmp, self._path(name))
         except Exception as e:  # a full disk, a removed directory: the request goes on
@@ -216,7 +303,12 @@ class DiskTier:
 
     def load(self, name: str, fits=None) -> Optional[Entry]:
         """The entry ``name`` read back (None, and the file gone, if it cannot be read, its
-        arrays fail their checksum, or it does not ``fits`` the model)."""
+        arrays fail their checksum, or it does not ``fits`` the model); one still waiting for
+        the writer is served as it was handed over."""
+        with self._lock:
+            pending = self.pending.get(name)
+        if pending is not None:
+            return pending.entry if fits is None or fits(pending.entry) else None
         path = self._path(name)
         if not path.exists():  # taken by another server sharing the directory
             self.remove(name)
@@ -241,6 +333,7 @@ class DiskTier:
 
     def remove(self, name: str):
         with self._lock:
+            self.pending.pop(name, None)
             self._drop(name)
 
     def resize(self, budget_bytes: int):
