@@ -85,6 +85,44 @@ def test_a_request_given_up_while_its_prompt_is_read_stops_within_a_chunk(pair, 
     assert stats["aborted_requests"] == 1
 
 
+def test_a_prompt_given_up_while_read_beside_the_batch_keeps_what_was_read(pair, chunks_read, monkeypatch):
+    """A client that gives up while its long prompt is read beside decoding requests (its
+    SDK timed out) and asks again goes on from what was read: the read part is in the prefix
+    cache, and the reply is a fresh run's."""
+    from dflash2_mlx.backend import batch_job
+    for name in ("MIN_CHUNK_SECONDS", "PREFILL_CHUNK_SECONDS"):  # chunks of a token or so in
+        monkeypatch.setattr(batch_job, name, 1e-6)  # the batch, however fast the machine
+    target, drafter = pair
+    reference = worker_reference(target, drafter)
+    ids = long_ids(1200)
+
+    async def scenario():
+        e = engine_of(pair, prefix_cache_gb=0.064)
+        await e.start()
+        try:
+            busy = asyncio.ensure_future(asyncio.wait_for(_last(e.stream_ids(
+                [3, 4, 5], request_id="busy", max_tokens=2000, logit_bias=NO_EOS)), 120))
+            await until(lambda: e.get_stats()["active_requests"] == 1)
+            long = asyncio.ensure_future(asyncio.wait_for(
+                _last(e.stream_ids(ids, request_id="long", max_tokens=8)), 120))
+            await until(lambda: chunks_read[0] >= 4)
+            assert e.abort("long") == 1
+            first = await long
+            read = chunks_read[0]
+            again = [c async for c in e.stream_ids(ids, max_tokens=8)]
+            assert not busy.done(), "the prompts were not read beside a decoding request"
+            e.abort("busy")
+            await busy
+            return first, read, again
+        finally:
+            await e.stop()
+
+    first, read, again = asyncio.run(scenario())
+    assert first.finish_reason == "abort"
+    assert again[-1].cached_tokens >= read, "the second request read the prompt from the start"
+    assert "".join(c.text for c in again) == reference(ids, max_tokens=8)
+
+
 def test_a_short_request_is_answered_while_a_long_prompt_is_read(pair, chunks_read):
     async def scenario():
         e = engine_of(pair)

@@ -96,7 +96,10 @@ class Joined:
 READ_AT_ONCE = 256
 MIN_CHUNK_SECONDS = 0.02  # a chunk's least time: below it a chunk's fixed costs dominate
 CHUNK_OF_CYCLE = 0.75  # a chunk read beside decoding requests, in their cycles
-PREFILL_SHARE = 0.1  # of the time, what chunks longer than a cycle take while requests decode
+# Of the time, what chunks longer than a cycle take while requests decode: half, so that a
+# long prompt read beside a busy batch has its first token within about twice its time alone
+# (a smaller share starves it: its client gives up, and a retry starts over).
+PREFILL_SHARE = 0.5
 FIRST_CHUNK = 8  # tokens of a prompt's first chunk in the batch: at a long context a token is slow
 
 
@@ -275,6 +278,7 @@ class Batching:
         for r in turn:
             if r.request.aborted.is_set():
                 reading.remove(r)
+                self._keep_read(r)
                 self._refuse(r.request, r.push, "abort", Chunk(finish_reason="abort", prompt_tokens=len(r.request.ids)))
                 continue
             tic = time.perf_counter()
@@ -290,6 +294,15 @@ class Batching:
             except Exception as ex:
                 reading.remove(r)
                 self._refuse(r.request, r.push, "error", ex)
+
+    def _keep_read(self, r: Reading):
+        """A prompt given up while read: what was read goes to the prefix cache (a client
+        that timed out and asks again goes on from there, as a single stream's would)."""
+        if r.start.tokens > r.start.reused:
+            try:
+                self.engine.prefix_cache.store(r.ids[:r.start.tokens], r.start)
+            except Exception:  # a cache that cannot keep it must not fail the batch
+                log.exception("prefix cache: could not store a prompt given up while read")
 
     def _enter(self, gen, joined: Dict[int, Joined], request: Request, push, carry: Optional[Carry],
                ids: List[int], start):

@@ -47,7 +47,9 @@ from .report import write_report as write_files
 # imported where the traffic is sent.
 
 APIS = ("openai-chat", "openai-completions", "responses", "anthropic", "ollama-chat", "ollama-generate")
-TIMEOUT_S = 180.0  # any one request; a hang fails it (and the soak's "no hang" line)
+# Any one request: the openai and anthropic clients' own default.  A hang fails it (and the
+# soak's "no hang" line); an uncached long prompt read beside a busy batch takes minutes here.
+TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -247,9 +249,11 @@ class Clients:
         self.anthropic = anthropic.Anthropic(base_url=base, api_key="soak", max_retries=0, timeout=TIMEOUT_S)
         self.ollama = ollama.Client(host=base, timeout=TIMEOUT_S)
         self.http = httpx.Client(base_url=base, timeout=TIMEOUT_S)
+        self.last: dict = {}
 
     def send(self, api: str, model: str, messages: List[dict], max_tokens: int, temp: float = 0.0,
              seed: Optional[int] = None, stream: bool = False) -> dict:
+        self.last = {"api": api, "model": model, "stream": stream}  # for a failure's line of the report
         tic, first, gaps, pieces = time.perf_counter(), None, [], []
 
         def piece(text):
@@ -433,6 +437,7 @@ class Soak:
         c = Clients(self.server.base)
         try:
             c.send("openai-chat", "soak", self.messages(self.inputs["long"][0]["text"]), 4)
+            c.send("openai-chat", "soak-b4", self.messages("hi"), 4)  # loaded before RSS counts
         finally:
             c.close()
 
@@ -455,24 +460,32 @@ class Soak:
                     time.sleep(0.2)
                     continue
                 roll = rng.random()
+                what, c.last = None, {}
                 try:
                     if chat is not None or roll < 0.15:
+                        what = "chat"
                         chat = self.chat_turn(c, rng, chat)
                     elif roll < 0.55:
+                        what = "short"
                         self.greedy(c, rng.choice(self.inputs["short"]), stream=rng.random() < 0.5)
                     elif roll < 0.6:
+                        what = "long"
                         self.greedy(c, rng.choice(self.inputs["long"]), stream=True)
                     elif roll < 0.75:
+                        what = "sampled"
                         self.sampled(c, rng)
                     elif roll < 0.83:
+                        what = "hang-up"
                         self.hang_up(c, rng)
                     elif roll < 0.95:
+                        what = "bad"
                         self.bad(c, rng)
                     else:
+                        what = "oversize"
                         self.oversize(c)
                 except Exception as e:  # noqa: BLE001 - every failure is a line of the report
-                    self.log.add("requests", kind="error", error=f"{type(e).__name__}: {str(e)[:200]}",
-                                 during_kill=self.down.is_set())
+                    self.log.add("requests", kind="error", of=what, **c.last,
+                                 error=f"{type(e).__name__}: {str(e)[:200]}", during_kill=self.down.is_set())
                     chat = None
         finally:
             c.close()
@@ -591,6 +604,9 @@ class Soak:
         r = httpx.post(self.server.base + "/v1/chat/completions", timeout=TIMEOUT_S,
                        json={"model": "soak", "messages": self.messages("hello"), "max_tokens": 8})
         first_s = time.time() - killed
+        for model in ("soak-b4", "plain"):  # loaded again before this lifetime's RSS counts
+            httpx.post(self.server.base + "/v1/chat/completions", timeout=TIMEOUT_S,
+                       json={"model": model, "messages": self.messages("hi"), "max_tokens": 4})
         self.down.clear()
         long = self.inputs["long"][0]
         httpx.post(self.server.base + "/v1/chat/completions", timeout=TIMEOUT_S,
@@ -715,7 +731,7 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
             "errors": errors[:50],
             "events": log.events,
             "samples": [{k: v for k, v in s.items() if k != "metrics"} for s in log.samples],
-            "latency": [{"t": r["t"], "seconds": r["seconds"], "ttft": r["ttft"]} for r in checked],
+            "latency": [{"t": r["t"], "kind": r["kind"], "seconds": r["seconds"], "ttft": r["ttft"]} for r in checked],
             "final_metrics": final}
 
 
