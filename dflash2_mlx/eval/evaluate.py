@@ -31,7 +31,7 @@ import numpy as np
 from mlx_lm.generate import batch_generate
 
 from ..loop.target import Target, attach
-from ..model.selector import pair_scores_reference, walk_reference
+from ..kernels.selector import pair_scores_reference, walk_reference
 from ..train import objective
 from ..train.data import encode
 from ..train.features import target_features

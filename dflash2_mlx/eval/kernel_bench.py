@@ -10,8 +10,8 @@ from ..generate import check_block_size, encode_prompt, load
 from ..loop.cycle import speculative_generate_step
 from ..loop.sampling import SamplingParams
 from ..loop.target import attach
-from ..model.conv import dynamic_conv_reference
-from ..model.selector import pair_scores_reference, walk_reference
+from ..kernels.conv import dynamic_conv_reference
+from ..kernels.selector import pair_scores_reference, walk_reference
 
 
 def _time_ms(fn, repeats: int) -> float:

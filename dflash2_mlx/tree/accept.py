@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import kernels
 from ..loop.sampling import SamplingParams, log_softmax, probs
-from ..model.selector import top_candidates
+from ..kernels.selector import top_candidates
 from .grow import Tree
 
 # Candidates per position of a DFlash 1 drafter's lattice (DFlash 2 uses its selector's).
