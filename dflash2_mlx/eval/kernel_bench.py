@@ -6,9 +6,10 @@ import time
 import mlx.core as mx
 
 from .. import kernels
-from ..generate import check_block_size, encode_prompt, load
+from ..generate import check_block_size, load
 from ..loop.cycle import speculative_generate_step
-from ..loop.sampling import SamplingParams
+from ..request.prompt import encode_prompt
+from ..request.sampling import SamplingParams
 from ..loop.target import attach
 from ..kernels.conv import dynamic_conv_reference
 from ..kernels.selector import pair_scores_reference, walk_reference

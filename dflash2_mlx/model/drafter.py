@@ -16,7 +16,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
 from ..kernels.selector import top_candidates
-from ..loop import sampling
+from ..request import sampling
 from .config import DrafterConfig
 
 

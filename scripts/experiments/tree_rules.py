@@ -27,7 +27,7 @@ import numpy as np
 
 from dflash2_mlx import load
 from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
-from dflash2_mlx.generate import encode_prompt
+from dflash2_mlx.request.prompt import encode_prompt
 from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.lookup import Lookup
 from dflash2_mlx.loop.target import attach
