@@ -13,6 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import adaptive, distributed as dist, kernels
+from .adaptive import check_block_size
 from .distributed import agree, fingerprint
 from .loop import exactness
 from .loop.draft_context import DraftContext
@@ -124,21 +125,6 @@ def warm_kernels(model, drafter: Drafter, sizes: Optional[Sequence[int]] = None)
         hidden = drafter(mx.array([[0] + [drafter.config.mask_token_id] * (b - 1)]), context.fed())
         for params in (SamplingParams(), SamplingParams(temp=1.0)):
             mx.eval(propose(drafter, hidden, mx.array(0), params))
-
-
-def check_block_size(drafter: Drafter, block_size: Union[int, str, None]) -> Union[int, str]:
-    """A block size in 1..the drafter's trained size, or "auto" (also for None)."""
-    trained = drafter.config.block_size
-    if block_size is None or block_size == adaptive.AUTO:
-        return adaptive.AUTO
-    if isinstance(block_size, str) and block_size.isdigit():
-        block_size = int(block_size)
-    if not isinstance(block_size, int) or not 1 <= block_size <= trained:
-        raise ValueError(
-            f"block size {block_size!r} is impossible for this drafter: "
-            f"use 1..{trained} (its trained block size) or 'auto'"
-        )
-    return block_size
 
 
 def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None, *,

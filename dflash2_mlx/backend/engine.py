@@ -32,8 +32,9 @@ from typing import AsyncIterator, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..adaptive import check_block_size
 from ..distributed import follow
-from ..generate import check_block_size, load
+from ..generate import load
 from ..loop import exactness
 from ..model.checkpoint import resolve
 from ..request.prompt import TemplateVariableError, chat_ids

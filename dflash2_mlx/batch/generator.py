@@ -8,7 +8,7 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 
 from .. import adaptive
-from ..generate import check_block_size
+from ..adaptive import check_block_size
 from ..loop.draft_context import DraftContext
 from ..loop.random_keys import RandomStream, fresh_key
 from ..loop.target import attach

@@ -6,7 +6,8 @@ import time
 import mlx.core as mx
 
 from .. import kernels
-from ..generate import check_block_size, load
+from ..adaptive import check_block_size
+from ..generate import load
 from ..loop.cycle import speculative_generate_step
 from ..request.prompt import encode_prompt
 from ..request.sampling import SamplingParams
