@@ -401,7 +401,7 @@ def test_auto_budget_follows_the_cost_curve():
 
 def test_doctor_prints_the_cost_curves(tmp_path, monkeypatch):
     from dflash2_mlx.adaptive import CostModel, store
-    from dflash2_mlx.machine.doctor import costs_report
+    from dflash2_mlx.cli.doctor_report import costs_report
 
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     lines = []

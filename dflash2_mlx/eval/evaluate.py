@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import batch_generate
 
-from ..loop.target import Target, attach
 from ..kernels.selector import pair_scores_reference, walk_reference
+from ..loop.target import Target, attach
 from ..train import objective
 from ..train.data import encode
 from ..train.features import target_features

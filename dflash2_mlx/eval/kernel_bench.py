@@ -8,12 +8,12 @@ import mlx.core as mx
 from .. import kernels
 from ..adaptive import check_block_size
 from ..generate import load
-from ..loop.cycle import speculative_generate_step
-from ..request.prompt import encode_prompt
-from ..request.sampling import SamplingParams
-from ..loop.target import attach
 from ..kernels.conv import dynamic_conv_reference
 from ..kernels.selector import pair_scores_reference, walk_reference
+from ..loop.cycle import speculative_generate_step
+from ..loop.target import attach
+from ..request.prompt import encode_prompt
+from ..request.sampling import SamplingParams
 
 
 def _time_ms(fn, repeats: int) -> float:

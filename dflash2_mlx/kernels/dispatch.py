@@ -20,8 +20,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from .conv import dynamic_conv_reference
-from .selector import pair_scores_reference, walk_reference
 from .launches import batch_rows, conv_launch, scores_launch, selector_launch, walk_launch
+from .selector import pair_scores_reference, walk_reference
 from .selfcheck import checked, checked_variants, self_check
 from .sources import Launch, run_metal
 
