@@ -33,11 +33,11 @@ from typing import AsyncIterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..adaptive import check_block_size
-from ..distributed import follow
 from ..generate import load
 from ..loop import exactness
 from ..model.checkpoint import resolve
 from ..request.prompt import TemplateVariableError, chat_ids
+from . import follow
 from .admission import Admission, Request, in_event_loop
 from .batch_job import Batching, batchable
 from .options import RequestOptions, generation, sampling_params
