@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx_lm
 
-from ..eval.report import pyplot, save_figure
+from ..figures import pyplot, save_figure
 from ..model.checkpoint import dequantize, load_drafter, resolve, validate_pair
 from ..model.target_model import model_args
 from . import data as data_mod
