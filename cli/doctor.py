@@ -24,7 +24,7 @@ def doctor(
     self-check with --verbose), and whether a verify pass is row-exact on this machine (the
     kept verdict, or --exact)."""
     # Imported when the command runs, not when the CLI starts, so that `--help` stays fast.
-    from ..machine.doctor import run_doctor, exactness_report
+    from .doctor_report import run_doctor, exactness_report
 
     run_doctor(echo=typer.echo, verbose=verbose)
     if recalibrate:
@@ -47,6 +47,6 @@ def doctor(
         export(attach(target, drafter), drafter, export_costs)
         typer.echo(f"costs of this pair on this machine written to {export_costs}")
     if costs:
-        from ..machine.doctor import costs_report
+        from .doctor_report import costs_report
 
         costs_report(echo=typer.echo)

@@ -90,8 +90,8 @@ def generate(
     """Generate text with DFlash speculative decoding, streaming it, then a stats line."""
     from dflash2_mlx import stream_generate
     from dflash2_mlx.generate import stats_line
-    from ..loop.arguments import check_all, check_messages
-    from ..loop.sampling import xtc_special_tokens
+    from ..request.arguments import check_all, check_messages
+    from ..request.sampling import xtc_special_tokens
 
     if (prompt is None) == (messages_file is None):
         raise typer.BadParameter("give exactly one of --prompt or --messages-file")
@@ -211,7 +211,7 @@ def prompt_ids(tokenizer, prompt, system_prompt: Optional[str], prefill_response
     """The prompt as stream_generate takes it.  As mlx_lm.generate does, a text prompt becomes
     a user turn of the chat template (unless --ignore-chat-template), and chat messages are
     rendered with it: after a prompt cache file, only what follows its cached prefix."""
-    from dflash2_mlx.generate import chat_ids
+    from dflash2_mlx.request.prompt import chat_ids
     from ..loop.prompt_cache_file import query_ids
 
     templated = not ignore_chat_template and getattr(tokenizer, "chat_template", None)

@@ -1,6 +1,7 @@
 """The ``dflash2-mlx`` command: a thin typer app over the Python API.
 
-Each sub-command lives in its own module with a ``register(app)`` function."""
+Each sub-command lives in its own module with a ``register(app)`` function; ``doctor_report.py``
+is what ``doctor`` reports (and the OpenBLAS note below), imported only when a command runs."""
 
 import importlib
 
@@ -20,7 +21,7 @@ COMPUTE_COMMANDS = {"generate", "serve", "bench", "eval", "train"}
 def main(ctx: typer.Context):
     """DFlash 2 speculative decoding for MLX."""
     if ctx.invoked_subcommand in COMPUTE_COMMANDS:
-        from ..machine.doctor import blas_hint  # imports MLX: not for --help or the light commands
+        from .doctor_report import blas_hint  # imports MLX: not for --help or the light commands
 
         hint = blas_hint()
         if hint:

@@ -87,7 +87,7 @@ def serve(
         raise typer.BadParameter(str(e).removeprefix("--chat-template-args: "), param_hint="--chat-template-args")
     lockstep = None
     if distributed is not None:
-        from dflash2_mlx.distributed.follow import distributed_setup
+        from dflash2_mlx.backend.follow import distributed_setup
 
         lockstep, max_batch, max_models = distributed_setup(distributed)
         from dflash2_mlx.backend.ssd_cache import default_ssd_cache_dir
@@ -108,7 +108,7 @@ def serve(
         raise typer.Exit(2)
     if lockstep is not None and lockstep.rank != 0:
         from dflash2_mlx.backend.engine import Engine
-        from dflash2_mlx.distributed.follow import follow
+        from dflash2_mlx.backend.follow import follow
 
         def make_engine(model_id, path, model_settings):
             return Engine(path, model_settings, model_id=model_id, max_queue=queue_size,

@@ -28,7 +28,7 @@
 //   walk    walk only (for scores computed elsewhere): inputs scores, temperature,
 //           uniforms; outputs path, q; template K, L. One thread per batch row.
 //
-// Walk rules (shared with dflash2_mlx.model.selector.walk_reference):
+// Walk rules (shared with dflash2_mlx.kernels.selector.walk_reference):
 //   a NaN score counts as -inf (so NaN rows behave the same on every back-end);
 //   greedy (temperature == 0): argmax, ties to the lowest candidate index; q one-hot.
 //   sampled: x = row / temperature; if max(x) is not finite (every score -inf or NaN,

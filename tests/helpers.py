@@ -20,8 +20,9 @@ from scipy import stats as sstats
 
 from dflash2_mlx.generate import load, stream_generate
 from dflash2_mlx.loop.cycle import speculative_generate_step
-from dflash2_mlx.loop.sampling import SamplingParams
-from dflash2_mlx.loop.target import attach, model_args
+from dflash2_mlx.loop.target import attach
+from dflash2_mlx.model.target_model import model_args
+from dflash2_mlx.request.sampling import SamplingParams
 from tiny_models import byte_chars
 
 

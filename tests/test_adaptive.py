@@ -22,10 +22,10 @@ from dflash2_mlx.generate import blocks_text, stats_line
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.plain import shadow_chance
-from dflash2_mlx.loop.sampling import SamplingParams, log_softmax, sample, verify_sampled
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.machine.contention import BUSY_SHARE, SIMULATED_ENV, Watch
 from dflash2_mlx.model.drafter import propose
+from dflash2_mlx.request.sampling import SamplingParams, log_softmax, sample, verify_sampled
 from helpers import cache_arrays, chi2_pvalue, exact_joint, plain_tokens
 from tiny_models import looping_pair, make_drafter, make_target
 

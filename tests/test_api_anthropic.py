@@ -20,7 +20,8 @@ from dflash2_mlx.backend.protocol import APIError
 from dflash2_mlx.backend.settings import SettingsStore
 from dflash2_mlx.backend.wire import Completion
 from dflash2_mlx.builtin.defaults import default_pair
-from dflash2_mlx.generate import chat_ids, load, stream_generate
+from dflash2_mlx.generate import load, stream_generate
+from dflash2_mlx.request.prompt import chat_ids
 import helpers
 from helpers import start_server, stop_server
 from tiny_models import on_worker

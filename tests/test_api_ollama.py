@@ -18,7 +18,8 @@ import ollama
 import pytest
 
 from dflash2_mlx.builtin.defaults import default_pair
-from dflash2_mlx.generate import chat_ids, load, stream_generate
+from dflash2_mlx.generate import load, stream_generate
+from dflash2_mlx.request.prompt import chat_ids
 from helpers import plain_tokens, start_server, stop_server, tool_variant
 from tiny_models import on_worker
 

@@ -21,7 +21,8 @@ from dflash2_mlx.backend.responses import OutputBuilder
 from dflash2_mlx.backend.tool_calls import template_messages
 from dflash2_mlx.backend.wire import Chunk
 from dflash2_mlx.builtin.defaults import default_pair
-from dflash2_mlx.generate import chat_ids, load
+from dflash2_mlx.generate import load
+from dflash2_mlx.request.prompt import chat_ids
 from helpers import counters, greedy_ids, metrics, start_server, stop_server, tool_variant, wait_idle
 from tiny_models import on_worker, worker_reference
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import dflash2_mlx as d
 from dflash2_mlx.cli.main import app
-from dflash2_mlx.loop.arguments import MAX_SEED, ArgumentError
+from dflash2_mlx.request.arguments import MAX_SEED, ArgumentError
 from dflash2_mlx.backend.settings import SettingsStore
 from helpers import start_server, stop_server
 from tiny_models import make_drafter, make_target

@@ -22,7 +22,7 @@ from dflash2_mlx.batch import BatchCosts, BatchGenerator, batch_generate, prefil
 from dflash2_mlx.batch import cache as batch_cache
 from dflash2_mlx.batch.cache import draft_hidden
 from dflash2_mlx.loop.draft_context import DraftContext
-from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.request.sampling import SamplingParams
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.target import UnsupportedTargetError, attach
 from helpers import chi2_pvalue, exact_joint, params_of

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx.batch import BatchGenerator
-from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.request.sampling import SamplingParams
 from tiny_models import abcd_pair
 
 PROMPTS = ["abcab dcba", "dd cb", "abcdabcdabcd ab"]

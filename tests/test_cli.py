@@ -14,8 +14,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import dflash2_mlx as d
-from dflash2_mlx.loop.sampling import xtc_special_tokens
-from dflash2_mlx.machine.doctor import openblas_path
+from dflash2_mlx.cli.doctor_report import openblas_path
+from dflash2_mlx.request.sampling import xtc_special_tokens
 from tiny_models import make_drafter, make_target
 
 

@@ -18,7 +18,8 @@ from mlx_lm.models import gemma
 
 from dflash2_mlx.distributed import pipeline
 from dflash2_mlx.distributed.local import launch
-from dflash2_mlx.generate import encode_prompt, load, stream_generate
+from dflash2_mlx.generate import load, stream_generate
+from dflash2_mlx.request.prompt import encode_prompt
 from tiny_models import make_drafter, make_target
 
 ROOT = Path(__file__).resolve().parent.parent

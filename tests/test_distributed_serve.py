@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from dflash2_mlx.distributed import local
-from dflash2_mlx.generate import chat_ids, load, stream_generate
+from dflash2_mlx.generate import load, stream_generate
+from dflash2_mlx.request.prompt import chat_ids
 from tiny_models import make_drafter, make_target
 
 MESSAGES = [[{"role": "user", "content": "abc"}], [{"role": "user", "content": "hello there"}]]

@@ -16,7 +16,7 @@ import dflash2_mlx as d
 from dflash2_mlx import distributed
 from dflash2_mlx.distributed import agree, fingerprint, tensor
 from dflash2_mlx.distributed.local import launch
-from dflash2_mlx.generate import encode_prompt
+from dflash2_mlx.request.prompt import encode_prompt
 from helpers import plain_tokens
 from tiny_models import make_drafter, make_target
 

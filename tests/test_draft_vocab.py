@@ -13,10 +13,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import dflash2_mlx as d
-from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.model.checkpoint import CheckpointError, load_drafter, quantize, save_drafter
 from dflash2_mlx.model.drafter import propose
+from dflash2_mlx.request.sampling import SamplingParams
 from helpers import dflash_tokens, plain_tokens
 from tiny_models import SPECIALS, make_drafter, make_target
 

@@ -5,11 +5,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.kernels.conv import dynamic_conv_reference
+from dflash2_mlx.kernels.selector import pair_scores_reference, walk_reference
 from dflash2_mlx.model.config import DrafterConfig, default_target_layer_ids
-from dflash2_mlx.model.conv import dynamic_conv_reference
 from dflash2_mlx.model.drafter import Drafter, DynamicConv, propose
-from dflash2_mlx.model.selector import pair_scores_reference, walk_reference
+from dflash2_mlx.request.sampling import SamplingParams
 
 
 def config(version=2, **kw):

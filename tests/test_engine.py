@@ -13,8 +13,8 @@ from dflash2_mlx.backend.engine import Engine, EngineError, InvalidOption, Promp
 from dflash2_mlx.backend.pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
 from dflash2_mlx.backend.settings import ModelSettings, SettingsError, SettingsStore
 from dflash2_mlx.backend.stops import StopMatcher
-from dflash2_mlx.loop.sampling import xtc_special_tokens
 from dflash2_mlx.loop.scoring import prompt_logprobs
+from dflash2_mlx.request.sampling import xtc_special_tokens
 from tiny_models import make_drafter, make_target, on_worker, worker_reference
 
 NO_EOS = {1: -100.0}  # the tiny tokenizer's <eos>: keeps long generations going

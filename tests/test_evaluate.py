@@ -13,7 +13,7 @@ from dflash2_mlx.eval import evaluate as E
 from dflash2_mlx.eval.prompts import load_benches
 from dflash2_mlx.model.drafter import propose
 from dflash2_mlx.model.checkpoint import load_drafter
-from dflash2_mlx.loop.sampling import SamplingParams
+from dflash2_mlx.request.sampling import SamplingParams
 from dflash2_mlx.loop.target import attach
 from tiny_models import looping_pair, make_drafter, make_target
 

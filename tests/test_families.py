@@ -13,11 +13,11 @@ import pytest
 
 import dflash2_mlx as d
 from dflash2_mlx.loop.cycle import speculative_generate_step
-from dflash2_mlx.loop.sampling import SamplingParams
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.model.checkpoint import PairError, save_drafter
 from dflash2_mlx.model.config import DrafterConfig
 from dflash2_mlx.model.drafter import Drafter
+from dflash2_mlx.request.sampling import SamplingParams
 from helpers import chi2_pvalue, exact_joint
 from tiny_models import drafter_config, make_drafter, make_target
 

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.sample_utils import apply_top_k, make_logits_processors
 
 from dflash2_mlx.backend.engine import Engine, InvalidOption
-from dflash2_mlx.loop.arguments import MAX_SEED
+from dflash2_mlx.request.arguments import MAX_SEED
 from dflash2_mlx.backend.settings import ModelSettings, SettingsStore
 from dflash2_mlx.backend.solo import own_random
 from dflash2_mlx.loop.random_keys import RandomStream, swap_key

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx import kernels
-from dflash2_mlx.model.conv import dynamic_conv_reference
+from dflash2_mlx.kernels.conv import dynamic_conv_reference
 from metal_emu.cases import CONV, CONV_CASES, NO_METAL, gpu_default, needs_gxx
 from metal_emu.emulate import emulate_many
 

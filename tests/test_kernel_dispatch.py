@@ -9,11 +9,11 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx import kernels
+from dflash2_mlx.cli.doctor_report import run_doctor
 from dflash2_mlx.eval.kernel_bench import bench_kernels, draft_cycle_share
 from dflash2_mlx.kernels import dispatch, selfcheck
-from dflash2_mlx.machine.doctor import run_doctor
-from dflash2_mlx.model.conv import dynamic_conv_reference
-from dflash2_mlx.model.selector import pair_scores_reference, walk_reference
+from dflash2_mlx.kernels.conv import dynamic_conv_reference
+from dflash2_mlx.kernels.selector import pair_scores_reference, walk_reference
 from metal_emu.cases import (
     CONV, CONV_CASES, NO_METAL, SCORES, SELECT, SELECTOR_CASES, WALK, broken, gpu_default,
     needs_gxx, production_selector_case, sel_args,

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx import kernels
-from dflash2_mlx.model.selector import pair_scores_reference, walk_reference
+from dflash2_mlx.kernels.selector import pair_scores_reference, walk_reference
 from metal_emu.cases import (
     NO_METAL, SCORES, SELECT, SELECTOR_CASES, SELECTOR_RUNS, WALK, assert_scores_close,
     gpu_default, needs_gxx, production_selector_case, sel_args,

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx import kernels
-from dflash2_mlx.model.selector import pair_scores_reference, top_candidates
+from dflash2_mlx.kernels.selector import pair_scores_reference, top_candidates
 from metal_emu.cases import CONV, CONV_CASES, SCORES, SELECT, SELECTOR_CASES, WALK, sel_args
 from metal_emu.emulate import EMULATED_ATTRIBUTES, THREADGROUP_ARRAY, metal_source, used_attributes
 

@@ -18,7 +18,7 @@ from openai import OpenAI
 
 from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.backend.settings import SettingsStore
-from dflash2_mlx.loop.sampling import xtc_special_tokens
+from dflash2_mlx.request.sampling import xtc_special_tokens
 from helpers import (CHAT, NO_EOS, all_four_replies, counters, cut_inside_an_emoji, free_port, greedy_ids, metrics,
                      serve_command, start_server, stop_server, wait_idle)
 from tiny_models import make_drafter, make_target, on_worker, worker_reference

@@ -14,8 +14,8 @@ import dflash2_mlx as d
 from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.generate import chat_contexts
 from dflash2_mlx.loop.cycle import speculative_generate_step
-from dflash2_mlx.loop.sampling import SamplingParams, accept_greedy, clear_winners, log_softmax, verify_greedy
 from dflash2_mlx.loop.target import attach
+from dflash2_mlx.request.sampling import SamplingParams, accept_greedy, clear_winners, log_softmax, verify_greedy
 from helpers import cache_arrays, dflash_tokens, plain_tokens
 from tiny_models import looping_pair, make_drafter, make_target
 

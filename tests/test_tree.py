@@ -13,8 +13,8 @@ import dflash2_mlx as d
 from dflash2_mlx import adaptive
 from dflash2_mlx import tree as trees
 from dflash2_mlx.loop.cycle import speculative_generate_step
-from dflash2_mlx.loop.sampling import SamplingParams, log_softmax, probs
 from dflash2_mlx.loop.target import attach
+from dflash2_mlx.request.sampling import SamplingParams, log_softmax, probs
 from dflash2_mlx.tree.grow import grow, log_softmax as lattice_log_softmax
 from helpers import cache_arrays, chi2_pvalue, exact_joint, params_of, plain_tokens
 from tiny_models import make_drafter, make_target
@@ -401,7 +401,7 @@ def test_auto_budget_follows_the_cost_curve():
 
 def test_doctor_prints_the_cost_curves(tmp_path, monkeypatch):
     from dflash2_mlx.adaptive import CostModel, store
-    from dflash2_mlx.machine.doctor import costs_report
+    from dflash2_mlx.cli.doctor_report import costs_report
 
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     lines = []

@@ -8,7 +8,8 @@
     acceptance.py  ``Acceptance``: decayed per-position acceptance rates of the request at hand,
                    seeded from the pair's history on this machine; ``expected_tokens``
     policies.py    ``Fixed`` and ``Adaptive`` (probes, shadow probes, copies weighed against
-                   drafts), the ``Policy`` protocol and ``Choice`` the loop uses, ``policy(...)``
+                   drafts), the ``Policy`` protocol and ``Choice`` the loop uses, ``policy(...)`` and
+                   the block sizes it takes (``check_block_size``)
     store.py       the JSON files they are kept in
     curves/        named verify-cost curves of other machines (fixtures, with their sources)
 
@@ -20,7 +21,7 @@ from .acceptance import (COPY_PRIOR_RATE, DECAY, PRIOR_RATE, PRIOR_WEIGHT, SAMPL
 from .costs import (CALIBRATION, CONTEXTS, COPY_LARGEST, COPY_ROWS, PLAIN_RUN, STALE_AFTER_S, CostModel, Line,
                     calibrate, cost_key, cost_model, cost_models, export_costs, interp, load_costs)
 from .policies import (AUTO, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, SHADOW_BUDGET, Adaptive, Choice, Fixed, Policy,
-                     best_block, policy, remember, starting, tokens_per_second)
+                     best_block, check_block_size, policy, remember, starting, tokens_per_second)
 from .store import cache_dir
 from .timing import (TIMING_CLIP, TIMING_DECAY, TIMING_FORMAT, TIMING_PRIOR, Corrected, Timing, kind, save_timing,
                      timing_for, timing_path, timings)
@@ -30,7 +31,8 @@ __all__ = [
     "Choice", "Corrected", "CostModel", "DECAY", "Fixed", "Line", "PLAIN_RUN", "PRIOR_RATE", "PRIOR_WEIGHT",
     "PROBE_BUDGET", "PROBE_FIRST", "PROBE_MAX", "Policy", "SAMPLED_PRIOR_WEIGHT", "SEED_WEIGHT", "SHADOW_BUDGET",
     "STALE_AFTER_S", "TIMING_CLIP", "TIMING_DECAY", "TIMING_FORMAT", "TIMING_PRIOR", "Timing", "best_block",
-    "cache_dir", "calibrate", "cost_key", "cost_model", "cost_models", "export_costs", "load_costs", "expected_tokens", "fold", "history_path",
+    "cache_dir", "calibrate", "check_block_size", "cost_key", "cost_model", "cost_models", "export_costs", "load_costs",
+    "expected_tokens", "fold", "history_path",
     "interp", "kind", "load_history", "pair_key", "policy", "remember", "save_history", "save_timing", "starting",
     "timing_for", "timing_path", "timings", "tokens_per_second",
 ]

@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..loop.sampling import SamplingParams
 from ..machine.contention import BUSY_SHARE, Watch
 from ..machine.identity import identity
 from ..model.drafter import propose
+from ..request.sampling import SamplingParams
 from . import store
 
 STALE_AFTER_S = 7 * 24 * 3600  # a cost model older than this is measured again

@@ -16,6 +16,8 @@
   and ``tool_calls.py``; ``wire.py``: ``Chunk``, ``Completion`` and the engine's errors;
 - ``prefix_cache.py`` (memory) and ``ssd_cache.py`` (disk): caches reused across requests;
 - ``stats.py``: the counters ``/metrics`` reports; ``worker.py``: the one MLX thread.
+- ``follow.py``: ``serve`` over ``mx.distributed`` ranks (``dflash2_mlx.distributed``): rank 0
+  serves and tells the other ranks, which follow it through the same engine code.
 """
 
 from .compat import is_compatible

@@ -32,10 +32,12 @@ from typing import AsyncIterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..distributed import follow
-from ..generate import TemplateVariableError, chat_ids, check_block_size, load
+from ..adaptive import check_block_size
+from ..generate import load
 from ..loop import exactness
 from ..model.checkpoint import resolve
+from ..request.prompt import TemplateVariableError, chat_ids
+from . import follow
 from .admission import Admission, Request, in_event_loop
 from .batch_job import Batching, batchable
 from .options import RequestOptions, generation, sampling_params
@@ -230,7 +232,7 @@ class Engine:
         ``chat_template_kwargs``: the request's template variables (e.g.
         ``{"enable_thinking": False}``), over the model's and the engine's
         (``ModelSettings.template_variables``); ``prefill``: the start of the assistant's
-        reply, which the reply continues (``generate.chat_ids``).  Tool-call arguments reach the
+        reply, which the reply continues (``request.prompt.chat_ids``).  Tool-call arguments reach the
         template as objects (``tool_calls.template_messages``)."""
         self._check_running()
         variables = self.settings.template_variables(chat_template_kwargs, self.chat_template_args)

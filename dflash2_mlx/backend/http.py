@@ -18,10 +18,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from ..request.arguments import ArgumentError
 from .pool import EnginePool, NoDefaultModel, PoolBusy, UnknownModel
 from .protocol import APIError, validation_error
 from .settings import SettingsError
-from ..loop.arguments import ArgumentError
 from .wire import EngineError, InvalidOption, PromptTooLong, QueueFull
 
 MAX_BODY_BYTES = 16 * 1024 * 1024

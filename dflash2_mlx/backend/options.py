@@ -9,14 +9,14 @@ from typing import Dict, Optional, Sequence, Union
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from ..loop.arguments import ArgumentError, check_all, real
-from ..loop.sampling import SamplingParams, xtc_special_tokens
+from ..request.arguments import ArgumentError, check_all, real
+from ..request.sampling import SamplingParams, xtc_special_tokens
 from .settings import ModelSettings, first_set
 from .wire import InvalidOption
 
 # The most alternatives a request may ask to see next to each token's log-probability.
 MAX_TOP_LOGPROBS = 20
-# The sampling options follow the rules every surface shares (``loop/arguments.py``), under
+# The sampling options follow the rules every surface shares (``request/arguments.py``), under
 # the APIs' names where they differ from Python's; the penalties, which only the server
 # takes, are finite numbers.
 API_NAMES = {"temp": "temperature"}

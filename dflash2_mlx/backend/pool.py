@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..generate import TemplateVariableError, check_template_variables
+from ..request.prompt import TemplateVariableError, check_template_variables
 from .engine import Engine
 from .settings import ModelSettings, SettingsError, SettingsStore
 

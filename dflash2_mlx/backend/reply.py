@@ -5,7 +5,7 @@ client sees."""
 
 from typing import List, Optional, Sequence
 
-from ..model.selector import top_candidates
+from ..kernels.selector import top_candidates
 from .options import RequestOptions
 from .stops import StopMatcher
 from .thinking import ThinkSplitter, segments

@@ -23,10 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..distributed import follow
 from ..loop import exactness
 from ..model.checkpoint import resolved_here
-from . import anthropic, ollama, openapi, responses
+from . import anthropic, follow, ollama, openapi, responses
 from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
 from .pool import EnginePool, UnknownModel
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_response,

@@ -94,7 +94,7 @@ class SoloStream:
         self.began = time.perf_counter()
         gen = None
         try:  # everything that can fail inside: a failure must still end the request (below)
-            if e.lockstep is not None:  # the other ranks run it too (distributed/follow.py)
+            if e.lockstep is not None:  # the other ranks run it too (backend/follow.py)
                 e.lockstep.announce(e, request)
             if self._begin():
                 if (yield from self._prefill()):  # given up while its prompt was read

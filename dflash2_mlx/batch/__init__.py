@@ -28,7 +28,7 @@ global generator.
 
 Lossless per sequence: every emitted token is the target's choice in the pass that verified
 it (greedy) or passed rejection sampling against the target's own distribution (sampled),
-by the single stream's accept rule (``loop/sampling.py``: ``verify_lazy`` is
+by the single stream's accept rule (``request/sampling.py``: ``verify_lazy`` is
 ``verify_greedy`` / ``verify_sampled`` on all rows at once); the batch only changes which
 rows share a matmul.
 """

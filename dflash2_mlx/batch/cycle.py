@@ -1,6 +1,6 @@
 """The batched cycle: one block size for the batch, every sequence's block drafted (one
 drafter pass for all) or copied, all blocks verified in one target pass over [S, b] rows,
-and each sequence's own accepted prefix kept (``loop.sampling.verify_lazy``, the single
+and each sequence's own accepted prefix kept (``request.sampling.verify_lazy``, the single
 stream's accept rule, evaluated once for the whole batch).  The policy, each sequence's
 copies and the batch's costs learn from it."""
 
@@ -11,8 +11,8 @@ import mlx.core as mx
 
 from .. import adaptive
 from ..loop.lookup import one_hot_rows
-from ..loop.sampling import accept, processed_logprobs, verify_lazy
 from ..model.drafter import propose
+from ..request.sampling import accept, processed_logprobs, verify_lazy
 from .cache import TargetBatch, draft_hidden
 from .policy import BatchCosts
 from .sequence import BatchSequence, Response

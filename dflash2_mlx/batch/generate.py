@@ -8,11 +8,11 @@ from typing import Callable, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .. import adaptive
-from ..generate import encode_prompt
-from ..loop.arguments import check_all
 from ..loop.cycle import CycleStats
-from ..loop.sampling import SamplingParams
 from ..model.drafter import Drafter
+from ..request.arguments import check_all
+from ..request.prompt import encode_prompt
+from ..request.sampling import SamplingParams
 from .generator import BatchGenerator
 from .sequence import Response
 

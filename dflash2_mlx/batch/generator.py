@@ -8,13 +8,13 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 
 from .. import adaptive
-from ..generate import check_block_size
-from ..loop.arguments import check
+from ..adaptive import check_block_size
 from ..loop.draft_context import DraftContext
 from ..loop.random_keys import RandomStream, fresh_key
-from ..loop.sampling import SamplingParams
 from ..loop.target import attach
 from ..model.drafter import Drafter
+from ..request.arguments import check
+from ..request.sampling import SamplingParams
 from .cache import TargetBatch, batch_layers
 from .cycle import BatchCycle
 from .join import prefill, prefill_groups

@@ -11,7 +11,7 @@ from ..loop.cycle import CycleStats
 from ..loop.draft_context import DraftContext
 from ..loop.lookup import Lookup
 from ..loop.random_keys import RandomStream
-from ..loop.sampling import SamplingParams, processed_logprobs, sample
+from ..request.sampling import SamplingParams, processed_logprobs, sample
 
 
 @dataclass

@@ -9,7 +9,8 @@ agree on so that every rank runs the same cycle.
     local.py        N ranks on 127.0.0.1 (tests, ``bench distributed``)
 
 ``split(model, group, mode)`` is the one entry point; ``group_of(model)`` tells a split
-target's group (None for a whole one).
+target's group (None for a whole one).  Serving over the ranks (rank 0 serves, the others
+follow it) is the backend's: ``backend/follow.py``.
 """
 
 import os

@@ -30,7 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from ..loop.target import model_args, text_model
+from ..model.target_model import model_args, text_model
 
 # mlx-lm modules whose inner model runs "embed -> masks -> layers -> norm" and has no
 # ``pipeline`` of its own: split here with ``staged_call``.

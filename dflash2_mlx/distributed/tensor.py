@@ -15,7 +15,7 @@ the others never issue.
 
 from dataclasses import dataclass
 
-from ..loop.target import model_args, text_model
+from ..model.target_model import model_args, text_model
 
 # Config sizes mlx-lm's ``shard`` divides by the group size, where a family has them.
 SHARDED_SIZES = (

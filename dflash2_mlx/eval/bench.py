@@ -25,12 +25,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ..adaptive import cost_model
+from ..figures import pyplot, save_figure
 from ..loop.target import attach
 from ..tree import check_budget as trees_check
 from ..machine.identity import describe
 from ..train.data import encode
 from .profile import cycle_breakdown, format_breakdown
-from .report import fmt, plot_acceptance, position_table, pyplot, save_figure, table, write_report as write_files
+from .report import fmt, plot_acceptance, position_table, table, write_report as write_files
 from .evaluate import oracle_run
 from .runs import RunTally, run_dflash, run_plain
 

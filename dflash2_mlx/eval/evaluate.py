@@ -30,12 +30,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import batch_generate
 
+from ..figures import pyplot, save_figure
+from ..kernels.selector import pair_scores_reference, walk_reference
 from ..loop.target import Target, attach
-from ..model.selector import pair_scores_reference, walk_reference
 from ..train import objective
 from ..train.data import encode
 from ..train.features import target_features
-from .report import fmt, plot_acceptance, position_table, pyplot, save_figure, table, write_report as write_files
+from .report import fmt, plot_acceptance, position_table, table, write_report as write_files
 from .runs import RunTally, run_dflash
 
 

@@ -6,12 +6,14 @@ import time
 import mlx.core as mx
 
 from .. import kernels
-from ..generate import check_block_size, encode_prompt, load
+from ..adaptive import check_block_size
+from ..generate import load
+from ..kernels.conv import dynamic_conv_reference
+from ..kernels.selector import pair_scores_reference, walk_reference
 from ..loop.cycle import speculative_generate_step
-from ..loop.sampling import SamplingParams
 from ..loop.target import attach
-from ..model.conv import dynamic_conv_reference
-from ..model.selector import pair_scores_reference, walk_reference
+from ..request.prompt import encode_prompt
+from ..request.sampling import SamplingParams
 
 
 def _time_ms(fn, repeats: int) -> float:

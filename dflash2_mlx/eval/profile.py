@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..loop.draft_context import DraftContext
 from ..model.drafter import propose
-from ..loop.sampling import SamplingParams
+from ..request.sampling import SamplingParams
 from ..loop.cycle import speculative_generate_step
 from ..loop.target import attach
 

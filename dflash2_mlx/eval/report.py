@@ -1,10 +1,12 @@
 """Report files of the eval commands: a report as NAME.json and NAME.md with its figures
-beside them, and the table and figure helpers the bench, the evaluation, the serving bench
-and training's loss curve share."""
+beside them, and the table and figure helpers the bench, the evaluation and the serving bench
+share (drawn with ``dflash2_mlx/figures.py``, which training's loss curve uses too)."""
 
 import json
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
+
+from ..figures import pyplot, save_figure
 
 
 def write_report(out_dir, name: str, report: dict, markdown: str,
@@ -35,24 +37,6 @@ def position_table(columns: Dict[str, Sequence]) -> str:
     rows = [[p + 1] + [fmt(v[p], ".3f") if p < len(v) else "" for v in columns.values()]
             for p in range(depth)]
     return "\n".join(table(["position", *columns], rows))
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend.  Imported here, not at the top of
-    the module: matplotlib is slow to import and only the figures need it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot().close(fig)
-    return Path(path)
 
 
 def plot_acceptance(curves: dict, path) -> Path:

@@ -1,12 +1,14 @@
 """Metal kernels for DFlash 2's dynamic conv and path selector, with dispatch to their
-pure-MLX twins (``model.conv``, ``model.selector``), which define what they compute.
+pure-MLX twins (``conv``, ``selector``), which define what they compute.
 
+- ``conv``, ``selector``: the twins, in plain MLX ops (training runs them, for their gradients);
 - ``sources``: the kernel text read from ``metal/*.metal``, and running a launch on Metal;
 - ``launches``: each kernel's launch (template arguments, grid, output shapes) for arrays;
 - ``selfcheck``: each kernel variant checked against the twins on its first use;
 - ``dispatch``: kernel or twin, and the entry points the drafter calls.
 
-Every public name of the submodules is importable from here (``kernels.select``, ...).
+Every public name of ``sources``, ``launches``, ``selfcheck`` and ``dispatch`` is importable
+from here (``kernels.select``, ...).
 """
 
 from .dispatch import (

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from ..model.conv import dynamic_conv_reference
-from ..model.selector import pair_scores_reference, walk_reference
+from .conv import dynamic_conv_reference
 from .launches import batch_rows, conv_launch, scores_launch, selector_launch, walk_launch
+from .selector import pair_scores_reference, walk_reference
 from .selfcheck import checked, checked_variants, self_check
 from .sources import Launch, run_metal
 

@@ -16,9 +16,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..model.conv import dynamic_conv_reference
-from ..model.selector import pair_scores_reference, walk_reference
+from .conv import dynamic_conv_reference
 from .launches import conv_launch, scores_launch, selector_launch, walk_launch
+from .selector import pair_scores_reference, walk_reference
 from .sources import SOURCES, Launch, run_metal
 
 # A variant is one compiled kernel as MLX builds it: the template values, and each

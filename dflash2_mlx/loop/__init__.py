@@ -1,4 +1,5 @@
-"""One stream's draft -> propose -> verify -> accept cycle and what it calls.
+"""One stream's draft -> propose -> verify -> accept cycle and what it calls (its sampling
+and accept rule: ``request/sampling.py``).
 
     cycle.py              the loop (``speculative_generate_step``), one cycle (``cycle``),
                           the sequence's state (``Sequence``: caches, history, settle)
@@ -8,8 +9,6 @@
     stats.py              the draft statistics yielded with each token
     target.py             the target: tapped features, cache snapshot and rollback
     draft_context.py      the drafter's context of committed tokens (window, sinks)
-    sampling.py           logits processing, sampling and the accept rule
-    arguments.py          the rules every surface checks generation arguments by
     random_keys.py        per-sequence random keys
     lookup.py             copies: drafts copied from the sequence itself
     scoring.py            a prompt's own log-probabilities

@@ -20,12 +20,12 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .. import adaptive, tree as trees
 from ..model.drafter import Drafter, propose
+from ..request.sampling import SamplingParams, processed_logits, processed_logprobs, sample, verify_greedy, verify_sampled
 from .clock import Clock
 from .draft_context import DraftContext
 from .kv_quant import KVQuantization
 from .lookup import Lookup, one_hot_rows
 from .plain import PlainSteps
-from .sampling import SamplingParams, processed_logits, processed_logprobs, sample, verify_greedy, verify_sampled
 from .stats import CycleStats
 from .target import Target, rollback, snapshot
 

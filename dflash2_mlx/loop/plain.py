@@ -8,9 +8,9 @@ import mlx.core as mx
 
 from ..adaptive import Policy
 from ..model.drafter import Drafter, first_row, propose
+from ..request.sampling import SamplingParams, probs, processed_logprobs, sample
 from .draft_context import DraftContext
 from .lookup import Lookup
-from .sampling import SamplingParams, probs, processed_logprobs, sample
 
 
 def shadow_chance(drafter: Drafter, context: DraftContext, token: mx.array, step: tuple,

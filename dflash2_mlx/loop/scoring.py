@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..model.selector import top_candidates
+from ..kernels.selector import top_candidates
 
 # Rows of full-vocabulary log-probabilities held at once: bounds the memory of scoring a long prompt.
 CHUNK = 256

@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..machine import cpu_split
+from ..model.target_model import model_args, text_model
 from . import exact_pass
 
 
@@ -42,16 +43,6 @@ def _capturing(cls):
 
         _capture_classes[cls] = type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
     return _capture_classes[cls]
-
-
-def text_model(model):
-    """The language model inside a (possibly multimodal) mlx-lm model."""
-    return getattr(model, "language_model", model)
-
-
-def model_args(model):
-    tm = text_model(model)
-    return getattr(tm, "args", None) or getattr(model, "args")
 
 
 class Target:

@@ -13,9 +13,9 @@ import mlx.nn as nn
 from huggingface_hub import snapshot_download
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..loop.target import model_args
 from .config import DrafterConfig, DrafterConfigError
 from .drafter import Drafter
+from .target_model import model_args
 
 
 class CheckpointError(ValueError):

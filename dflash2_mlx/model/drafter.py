@@ -15,9 +15,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
-from ..loop import sampling
+from ..kernels.selector import top_candidates
+from ..request import sampling
 from .config import DrafterConfig
-from .selector import top_candidates
 
 
 class Attention(nn.Module):
@@ -73,7 +73,7 @@ class MLP(nn.Module):
 
 
 class DynamicConv(nn.Module):
-    """DFlash 2's two-tap dynamic conv around a sublayer (meaning: ``model.conv``).
+    """DFlash 2's two-tap dynamic conv around a sublayer (meaning: ``kernels.conv``).
 
     ``prepare`` convolves the sublayer input (side 0) and keeps the dynamic taps,
     ``finish`` convolves the sublayer output (side 1) with the taps computed from the same
@@ -106,7 +106,7 @@ class DynamicConv(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """DFlash 2's path selector (meaning: ``model.selector``)."""
+    """DFlash 2's path selector (meaning: ``kernels.selector``)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, rank: int = 256, top_k: int = 16):
         super().__init__()

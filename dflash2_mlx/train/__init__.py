@@ -17,9 +17,9 @@ from typing import Callable, Optional, Sequence
 
 import mlx_lm
 
-from ..eval.report import pyplot, save_figure
-from ..loop.target import model_args
+from ..figures import pyplot, save_figure
 from ..model.checkpoint import dequantize, load_drafter, resolve, validate_pair
+from ..model.target_model import model_args
 from . import data as data_mod
 from . import trainer
 from .device import choose as choose_device, prepare_target

@@ -25,9 +25,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..model.config import DrafterConfig, V1_ARCH, V2_ARCH, default_target_layer_ids
-from ..loop.target import model_args, text_model
 from ..model.checkpoint import dequantized_weight
 from ..model.drafter import Drafter
+from ..model.target_model import model_args, text_model
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:

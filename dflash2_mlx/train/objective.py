@@ -20,8 +20,8 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..model.conv import dynamic_conv_reference
-from ..model.selector import pair_scores_reference, top_candidates
+from ..kernels.conv import dynamic_conv_reference
+from ..kernels.selector import pair_scores_reference, top_candidates
 
 # gamma of the published recipe; other block sizes interpolate linearly between these
 # points and extrapolate with the slope of the nearest segment (B/2 below 8, +1/3 per

@@ -24,7 +24,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..model.drafter import Drafter
 from ..model.checkpoint import load_drafter, save_drafter
-from ..loop.target import Target, attach, text_model
+from ..model.target_model import text_model
+from ..loop.target import Target, attach
 from . import objective
 from .data import sequences
 from .features import FeatureCache, batch_features

@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import kernels
-from ..loop.sampling import SamplingParams, log_softmax, probs
-from ..model.selector import top_candidates
+from ..kernels.selector import top_candidates
+from ..request.sampling import SamplingParams, log_softmax, probs
 from .grow import Tree
 
 # Candidates per position of a DFlash 1 drafter's lattice (DFlash 2 uses its selector's).

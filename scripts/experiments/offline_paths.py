@@ -23,8 +23,8 @@ from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
 from dflash2_mlx.eval.evaluate import drafted_blocks, greedy_responses, leading
 from dflash2_mlx.eval.prompts import load_benches
 from dflash2_mlx.generate import load
+from dflash2_mlx.kernels.selector import walk_reference
 from dflash2_mlx.loop.target import attach
-from dflash2_mlx.model.selector import walk_reference
 
 
 def walk_from(scores, first):

@@ -27,11 +27,11 @@ import numpy as np
 
 from dflash2_mlx import load
 from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
-from dflash2_mlx.generate import encode_prompt
+from dflash2_mlx.kernels.selector import top_candidates
 from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.lookup import Lookup
 from dflash2_mlx.loop.target import attach
-from dflash2_mlx.model.selector import top_candidates
+from dflash2_mlx.request.prompt import encode_prompt
 from dflash2_mlx.train.data import read_prompts
 from dflash2_mlx.tree.accept import lattice
 from dflash2_mlx.tree.grow import Tree, grow, log_softmax

@@ -32,8 +32,9 @@ from mlx.utils import tree_flatten
 
 from dflash2_mlx.builtin.smollm2 import default_target_path
 from dflash2_mlx.eval.evaluate import RecallTally, offline_hits
-from dflash2_mlx.loop.target import Target, attach, model_args, text_model
+from dflash2_mlx.loop.target import Target, attach
 from dflash2_mlx.model.checkpoint import load_drafter, quantize, save_drafter
+from dflash2_mlx.model.target_model import model_args, text_model
 from dflash2_mlx.train import TrainConfig, train_drafter
 from dflash2_mlx.train import features as features_mod
 from dflash2_mlx.train.contamination import contaminated

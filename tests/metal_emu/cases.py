@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx import kernels
-from dflash2_mlx.model.selector import top_candidates
+from dflash2_mlx.kernels.selector import top_candidates
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
 NO_METAL = "needs Apple Silicon with MLX's Metal back-end (mx.metal.is_available() is False here)"

@@ -22,7 +22,7 @@ from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 
-from ..backend.wire import EngineError
+from .wire import EngineError
 
 log = logging.getLogger("dflash2_mlx.distributed")
 _current: Optional["Lockstep"] = None
@@ -132,11 +132,11 @@ class Follower(Lockstep):
 def follow(lockstep: Follower, make_engine: Callable) -> int:
     """The follower's loop until rank 0 stops (0) or is gone (1). ``make_engine(model_id,
     path, settings)``: an engine built as rank 0's pool builds it."""
-    from ..backend.admission import Request
-    from ..backend.options import RequestOptions, generation
-    from ..backend.settings import ModelSettings
-    from ..backend.solo import solo_job
-    from ..backend.worker import worker
+    from .admission import Request
+    from .options import RequestOptions, generation
+    from .settings import ModelSettings
+    from .solo import solo_job
+    from .worker import worker
 
     engines: Dict[str, object] = {}
     try:
@@ -171,7 +171,7 @@ def _discard(item):
 def distributed_setup(mode: str):
     """This rank's part (installed for the engines), and the pool limits the mode needs:
     (lockstep, max_batch 1, max_models 1)."""
-    from . import check_mode
+    from ..distributed import check_mode
 
     check_mode(mode)
     group = mx.distributed.init()

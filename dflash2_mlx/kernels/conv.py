@@ -2,7 +2,7 @@
 
     conv(x, dyn, base)[t, c] = sum_o (base[o, c] + dyn[t, o, c // g]) * x[t - o, c],  x[-1] = 0
 
-This module is the conv's meaning and imports nothing of the kernels: ``kernels.dispatch``
+This module is the conv's meaning and imports nothing of the kernels beside it: ``dispatch``
 runs the Metal kernel or this twin, and the module around each sublayer
 (``model.drafter.DynamicConv``) calls the dispatch.
 """
