@@ -89,7 +89,7 @@ def generate(
 ):
     """Generate text with DFlash speculative decoding, streaming it, then a stats line."""
     from dflash2_mlx import stream_generate
-    from dflash2_mlx.generate import stats_line
+    from dflash2_mlx.responses import stats_line
     from ..request.arguments import check_all, check_messages
     from ..request.sampling import xtc_special_tokens
 

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 import dflash2_mlx as d
 from dflash2_mlx import adaptive
 from dflash2_mlx.adaptive import Acceptance, Adaptive, CostModel, best_block, expected_tokens
-from dflash2_mlx.generate import blocks_text, stats_line
+from dflash2_mlx.responses import blocks_text, stats_line
 from dflash2_mlx.loop.cycle import speculative_generate_step
 from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.plain import shadow_chance

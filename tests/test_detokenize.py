@@ -6,7 +6,8 @@ import pytest
 from mlx_lm import load as mlx_load
 
 from dflash2_mlx.builtin.defaults import default_pair
-from dflash2_mlx.generate import detokenizer_after, stream_generate
+from dflash2_mlx.generate import stream_generate
+from dflash2_mlx.responses import detokenizer_after
 from dflash2_mlx.request.prompt import chat_ids
 
 

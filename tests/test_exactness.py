@@ -9,7 +9,8 @@ import mlx_lm
 import pytest
 
 import dflash2_mlx as d
-from dflash2_mlx.generate import exactness_of, stats_line
+from dflash2_mlx.loop.exactness import exactness_of
+from dflash2_mlx.responses import stats_line
 from dflash2_mlx.loop import exactness
 from dflash2_mlx.loop.cycle import prefill, speculative_generate_step
 from dflash2_mlx.loop.target import attach

@@ -21,7 +21,8 @@ from .acceptance import (COPY_PRIOR_RATE, DECAY, PRIOR_RATE, PRIOR_WEIGHT, SAMPL
 from .costs import (CALIBRATION, CONTEXTS, COPY_LARGEST, COPY_ROWS, PLAIN_RUN, STALE_AFTER_S, CostModel, Line,
                     calibrate, cost_key, cost_model, cost_models, export_costs, interp, load_costs)
 from .policies import (AUTO, PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, SHADOW_BUDGET, Adaptive, Choice, Fixed, Policy,
-                     best_block, check_block_size, policy, remember, starting, tokens_per_second)
+                     best_block, policy, remember, starting, tokens_per_second)
+from ..request.plan import check_block_size
 from .store import cache_dir
 from .timing import (TIMING_CLIP, TIMING_DECAY, TIMING_FORMAT, TIMING_PRIOR, Corrected, Timing, kind, save_timing,
                      timing_for, timing_path, timings)

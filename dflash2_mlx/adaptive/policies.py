@@ -1,22 +1,21 @@
 """The block-size policies a decoding loop asks each cycle: ``Fixed`` (``--block-size N``)
 and ``Adaptive`` ("auto": the block with the most expected tokens per second, from the cost
 model and the live acceptance), what the loop asks of them (``Policy``, ``Choice``), and
-the ``policy(...)`` that builds one for a request from its block size (``check_block_size``:
-1..the drafter's trained size, or "auto").
+the ``policy(...)`` that builds one for a request from its block size (1..the drafter's
+trained size, or "auto": ``request.plan.check_block_size``).
 
 The choice depends only on the past, so every cycle stays lossless whatever it picks."""
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Protocol, Union, runtime_checkable
+from typing import Callable, List, Optional, Protocol, runtime_checkable
 
-from ..model.drafter import Drafter
+from ..request.plan import AUTO
 from .acceptance import (PRIOR_WEIGHT, SAMPLED_PRIOR_WEIGHT, SEED_WEIGHT, Acceptance, load_history,
                          pair_key, save_history, expected_tokens)
 from .costs import COPY_LARGEST, CostModel, cost_key, cost_model
 from .timing import Corrected, Timing, save_timing, timing_for
 
-AUTO = "auto"
 PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backing off, at most
 PROBE_BUDGET = 0.015  # a failed probe's extra cost, spread over the wait, is at most this share
 SHADOW_BUDGET = 0.03  # shadow probes' drafter passes cost at most this share of the plain steps
@@ -206,21 +205,6 @@ class Adaptive:
 
     def record_shadow(self, chance: float):
         self.acceptance.record_first(chance)
-
-
-def check_block_size(drafter: Drafter, block_size: Union[int, str, None]) -> Union[int, str]:
-    """A block size in 1..the drafter's trained size, or "auto" (also for None)."""
-    trained = drafter.config.block_size
-    if block_size is None or block_size == AUTO:
-        return AUTO
-    if isinstance(block_size, str) and block_size.isdigit():
-        block_size = int(block_size)
-    if not isinstance(block_size, int) or not 1 <= block_size <= trained:
-        raise ValueError(
-            f"block size {block_size!r} is impossible for this drafter: "
-            f"use 1..{trained} (its trained block size) or 'auto'"
-        )
-    return block_size
 
 
 def policy(target, drafter, block_size=AUTO, greedy: bool = True,

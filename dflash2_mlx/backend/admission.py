@@ -79,7 +79,7 @@ class Request:
         self.options = options
         self.tools = tools
         self.chat = chat
-        self.continues = continues  # its reply continues a prefill (generate.detokenizer_after)
+        self.continues = continues  # its reply continues a prefill (responses.detokenizer_after)
         self.generation: Optional[Generation] = None  # what it runs with (set when its turn comes)
         self.aborted = threading.Event()
         self.finished = False

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..batch import BatchGenerator, batch_policy
 from ..batch.cache import batch_layers
-from ..generate import detokenizer_after
+from ..responses import detokenizer_after
 from ..loop.cycle import CycleStats
 from ..loop.target import UnsupportedTargetError, attach
 from .admission import DONE, Request

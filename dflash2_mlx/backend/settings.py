@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ..request.modes import VERIFY_MODES, verify_kind
+
 SETTINGS_VERSION = 1
 SETTINGS_ENV = "DFLASH2_MLX_SETTINGS"
 HOME_ENV = "DFLASH2_MLX_HOME"
 DEFAULT_SETTINGS = Path("~/.dflash2-mlx/model_settings.json")
-VERIFY_MODES = ("dflash", "adaptive", "tree", "ddtree", "off")  # ddtree: oMLX's name for tree
 DEFAULT_SSD_CACHE_BYTES = 10 * 10**9
 
 
@@ -275,7 +276,7 @@ class ModelSettings:
             block = self.dflash_block_size if fixed else "auto"
         out = {"dflash": mode != "off", "drafter": drafter_name(self.draft), "verify_mode": mode,
                "block_size": block}
-        if mode in ("tree", "ddtree"):
+        if verify_kind(mode) == "tree":
             out["tree_budget"] = self.dflash_tree_budget or "auto"
         if mode != "off" and self.dflash_exact:
             out["exact"] = True

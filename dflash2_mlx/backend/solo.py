@@ -11,7 +11,9 @@ from typing import List, Optional
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..generate import stream_generate, tree_report
+from ..generate import stream_generate
+from ..request.modes import verify_kind
+from ..responses import tree_report
 from ..loop.random_keys import RandomStream, fresh_key
 from ..loop.scoring import prompt_logprobs
 from .admission import DONE, Request
@@ -176,7 +178,7 @@ class SoloStream:
             prompt_cache=self.start.cache, draft_context=self.start.context,
             cached_tokens=self.start.tokens, lookup=s.dflash_copies, continues=request.continues,
             exact=s.dflash_exact,
-            tree_budget=(s.dflash_tree_budget or "auto") if self.mode in ("tree", "ddtree") else None)
+            tree_budget=(s.dflash_tree_budget or "auto") if verify_kind(self.mode) == "tree" else None)
 
     def _relay(self, gen):
         """Each token through the reply into Chunks, a step each, until it finishes, is
@@ -197,7 +199,7 @@ class SoloStream:
                            generation_tps=last.generation_tps, block_sizes=last.block_sizes,
                            fallback=last.fallback, cached_tokens=self.start.reused, engine=self.decoding,
                            shadows=last.shadows, logprobs=reply.take(), stop_sequence=reply.matcher.hit,
-                           trees=tree_report(last) if self.mode in ("tree", "ddtree") else None,
+                           trees=tree_report(last) if verify_kind(self.mode) == "tree" else None,
                            segments=reply.segments(last.cycles) if self.finish else None))
             if self.finish:
                 break

@@ -1,7 +1,7 @@
 """One stream's draft -> propose -> verify -> accept cycle and what it calls (its sampling
 and accept rule: ``request/sampling.py``).
 
-    cycle.py              the loop (``speculative_generate_step``), one cycle (``cycle``),
+    cycle.py              the loop (``dflash_steps``), one cycle (``cycle``),
                           the sequence's state (``Sequence``: caches, history, settle)
     plain.py              plain decode steps, pipelined, with the policy's shadow probes
     clock.py              which cycles are timed for the adaptive policy, and how

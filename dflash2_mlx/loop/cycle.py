@@ -8,7 +8,8 @@ longest prefix it agrees with is kept with the target's own next token, the next
 each block's size, learns what was accepted and how long it took; a block of 1 is a plain
 decode step (``plain.py``), and where the sequence repeats itself a block may be a copy of
 earlier tokens instead of a draft (``lookup.py``), verified and accepted the same way.
-``speculative_generate_step`` yields (token, logprobs, from_draft, stats) per token.
+``dflash_steps`` (and ``speculative_generate_step``, with mlx-lm's keyword arguments) yields
+(token, logprobs, from_draft, stats) per token.
 """
 
 from dataclasses import dataclass
@@ -16,10 +17,10 @@ from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .. import adaptive, tree as trees
 from ..model.drafter import Drafter, propose
+from ..request.plan import Plan, Reuse
 from ..request.sampling import SamplingParams, processed_logits, processed_logprobs, sample, verify_greedy, verify_sampled
 from .clock import Clock
 from .draft_context import DraftContext
@@ -29,7 +30,7 @@ from .plain import PlainSteps
 from .stats import CycleStats
 from .target import Target, rollback, snapshot
 
-__all__ = ["CycleStats", "Sequence", "cycle", "prefill", "speculative_generate_step"]
+__all__ = ["CycleStats", "Sequence", "cycle", "dflash_steps", "prefill", "speculative_generate_step"]
 
 
 def prefill(target: Target, prompt: mx.array, cache, step: int = 2048, kv: Optional[KVQuantization] = None):
@@ -178,53 +179,38 @@ def tree_cycle(seq: Sequence, anchor: int, b: int, budget: int) -> Tuple[List[in
     return tree.tokens[path[1:]].tolist() + [token], len(path) - 1, logprobs
 
 
-def speculative_generate_step(
-    prompt: mx.array, target: Target, drafter: Drafter, *, max_tokens: int = 256,
-    params: SamplingParams = SamplingParams(), logits_processors: Optional[List[Callable]] = None,
-    block_size: Union[int, str, adaptive.Policy] = adaptive.AUTO, prefill_step_size: int = 2048,
-    prompt_cache: Optional[list] = None, draft_window: Optional[int] = None, draft_sink: int = 0,
-    context: Optional[DraftContext] = None, cached_tokens: int = 0, lookup: bool = True,
-    settle: bool = False, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, tree_budget: Union[int, str, None] = None,
-    costs: Optional[adaptive.CostModel] = None,
-) -> Iterator:
-    """``block_size``: a number, "auto", or a policy (``adaptive.Policy``); ``draft_window``:
-    how many of the latest context rows a draft reads (None: all), besides the first
-    ``draft_sink`` (``draft_context.py``).  A reused prefix: the first ``cached_tokens`` of
-    the prompt are already in ``prompt_cache`` and ``context``.  ``lookup``: blocks may be
-    copies where the sequence repeats (False: always the drafter).  ``settle``: when the
-    steps end (or are closed), leave the cache holding the prompt and every token yielded,
-    as mlx-lm's generate_step leaves it.  ``kv_bits``, ``kv_group_size``,
-    ``quantized_kv_start``: mlx-lm's KV cache quantization (``kv_quant.py``).  ``tree_budget``:
-    drafted blocks are verified as trees of that many nodes, as deep as the block (``tree/``;
-    "auto": sized each cycle by the cost curve, ``tree/budget.py``), where the target and its
-    caches can take one (else as chains, ``stats.chain_why`` says why); ``costs``: the pass
-    costs it is sized by (default: the policy's, or this machine's calibration)."""
-    cache = target.make_cache() if prompt_cache is None else prompt_cache
-    policy = (block_size if isinstance(block_size, adaptive.Policy)
-              else adaptive.policy(target, drafter, block_size, params.greedy))
-    context = DraftContext(drafter, draft_window, draft_sink) if context is None else context
-    seq = Sequence(target, drafter, cache, context, params, logits_processors,
-                   KVQuantization(kv_bits, kv_group_size, quantized_kv_start),
-                   CycleStats(max(policy.largest, policy.copy_largest)), prompt)
-    logits, features = prefill(target, prompt[cached_tokens:], cache, prefill_step_size, seq.kv)
-    context.add(features)
-    logprobs = processed_logprobs(logits, prompt[:-1], prompt[-1:], logits_processors)
-    anchor = int(sample(logprobs, params)[0].item())
-    copier = Lookup(prompt.tolist() + [anchor]) if lookup else None  # every token read so far
-    plain = PlainSteps(seq, policy, copier)
-    clock = Clock(policy)
-    if tree_budget == "auto":
-        costs = costs or getattr(policy, "costs", None) or adaptive.cost_model(target, drafter)
-        # The calibrated curve names the trees: a policy's live timing corrects a chain's or a
-        # copy's cycle, not a tree's (tree cycles are timed by ``trees.Arms`` itself).
-        costs = costs.costs if isinstance(costs, adaptive.Corrected) else costs
-        if getattr(costs, "coarse", False):  # a first use measured a chain's rows only: a tree's are measured now
-            costs = adaptive.cost_model(target, drafter, whole=True)
-    arms = {}  # block size -> the live choice of its trees' nodes (tree_budget "auto")
+def speculative_generate_step(prompt: mx.array, target: Target, drafter: Drafter, *,
+                              block_size: Union[int, str, adaptive.Policy] = adaptive.AUTO,
+                              prompt_cache: Optional[list] = None, context: Optional[DraftContext] = None,
+                              cached_tokens: int = 0, settle: bool = False,
+                              costs: Optional[adaptive.CostModel] = None, **planned) -> Iterator:
+    """``dflash_steps`` under mlx-lm generate_step's keyword arguments.  ``block_size``: a
+    number, "auto", or a policy (``adaptive.Policy``); a reused prefix: the first
+    ``cached_tokens`` of the prompt are already in ``prompt_cache`` and ``context``;
+    ``planned``: the ``Plan``'s fields (``max_tokens``, ``params``, ``lookup``,
+    ``tree_budget``, ``draft_window``, mlx-lm's KV quantization, ...)."""
+    policy = block_size if isinstance(block_size, adaptive.Policy) else None
+    plan = Plan(block_size=adaptive.AUTO if policy else block_size, **planned)
+    return dflash_steps(prompt, target, drafter, plan, policy, Reuse(prompt_cache, context, cached_tokens),
+                        settle, costs)
+
+
+def dflash_steps(prompt: mx.array, target: Target, drafter: Drafter, plan: Plan,
+                 policy: Optional[adaptive.Policy] = None, reuse: Optional[Reuse] = None, settle: bool = False,
+                 costs: Optional[adaptive.CostModel] = None) -> Iterator:
+    """The request's tokens as (token, logprobs, from_draft, stats): each cycle the policy
+    chooses a block (or a plain step, or a copy), which is drafted, verified and accepted.
+    ``policy``: the block-size policy (default: ``plan``'s); ``settle``: when the steps end
+    (or are closed), leave the cache holding the prompt and every token yielded, as mlx-lm's
+    generate_step leaves it; ``costs``: the pass costs a tree budget of "auto" is sized by
+    (default: the policy's, or this machine's calibration)."""
+    seq, policy, logprobs = start(prompt, target, drafter, plan, policy, reuse or Reuse())
+    anchor = int(sample(logprobs, plan.params)[0].item())
+    copier = Lookup(prompt.tolist() + [anchor]) if plan.lookup else None  # every token read so far
+    plain, clock, budget = PlainSteps(seq, policy, copier), Clock(policy), TreeBudget(seq, plan, policy, costs)
     try:
         yield seq.out(anchor, logprobs[0])
-        while seq.emitted + plain.waiting < max_tokens:
+        while seq.emitted + plain.waiting < plan.limit:
             clock.tick()
             if plain.waiting and copier is not None and copier.repeating and policy.largest > 1:
                 # The sequence repeats itself: read the plain step's token now (out of the
@@ -232,46 +218,26 @@ def speculative_generate_step(
                 yield seq.out(*plain.take())
                 continue
             copy = copier.draft(policy.copy_largest - 1) if copier is not None and not plain.waiting else []
-            choice = seq.kv.clamp(policy.choose(seq.history.size, copy=len(copy)), cache)
+            choice = seq.kv.clamp(policy.choose(seq.history.size, copy=len(copy)), seq.cache)
             if choice.block == 1:  # a plain decode step, pipelined
-                shadow = plain.step()
-                policy.record(1, 0, choice.copy)
-                seq.stats.record(1, 0, choice.fallback)
-                seq.stats.shadows += shadow
-                clock.plain(pipelined=plain.waiting > 1)
-                if plain.waiting > 1:  # the step before it, read a step late
-                    yield seq.out(*plain.take())
+                yield from plain_step(seq, plain, policy, clock, choice)
                 continue
             if plain.waiting:  # drafting resumes from the last plain step's token
                 yield seq.out(*plain.take())
             clock.begin()
-            nodes = 0 if choice.copy or not tree_budget else tree_budget
-            arm = None
-            if nodes == "auto":
-                arm = arms.setdefault(choice.block, trees.Arms(costs, choice.block, seq.history.size))
-                nodes = arm.choose()
-                seq.stats.chain_why = (None if nodes > choice.block - 1 else
-                                       f"at block {choice.block}, no tree is priced within 1.4x the chain on this machine"
-                                       if len(arm.candidates) == 1 else
-                                       f"at block {choice.block}, the chain gave the most tokens per second")
-                nodes = 0 if seq.stats.chain_why else nodes
-            if nodes:
-                seq.stats.chain_why = trees.fits(target, cache, nodes + 1)
-                nodes = 0 if seq.stats.chain_why else nodes
+            nodes = budget.nodes(choice)
             if nodes:
                 new, accepted, logprobs = tree_cycle(seq, seq.last, choice.block, nodes)
             else:
                 new, accepted, logprobs = cycle(seq, seq.last, choice.block, copy if choice.copy else None)
             policy.record(choice.block, accepted, choice.copy)
             seq.stats.record(choice.block, accepted, choice.fallback, choice.copy, nodes)
-            took = clock.end(choice.block, choice.copy, tree=bool(nodes))
-            if arm is not None and took is not None:
-                arm.record(nodes or choice.block - 1, accepted + 1, took)
+            budget.record(nodes, choice.block, accepted, clock.end(choice.block, choice.copy, tree=bool(nodes)))
             if copier is not None:
                 copier.extend(new)
             for i, token in enumerate(new):
                 yield seq.out(token, logprobs[i], i < accepted)
-                if seq.emitted >= max_tokens:
+                if seq.emitted >= plan.limit:
                     return
         if plain.waiting:
             yield seq.out(*plain.take())
@@ -281,3 +247,73 @@ def speculative_generate_step(
     finally:
         if settle:
             seq.settle(prompt.size)
+
+
+def start(prompt: mx.array, target: Target, drafter: Drafter, plan: Plan, policy: Optional[adaptive.Policy],
+          reuse: Reuse) -> Tuple[Sequence, adaptive.Policy, mx.array]:
+    """The sequence once its prompt is read (past the ``reuse``d prefix), its policy, and the
+    logprobs of its first token."""
+    cache = target.make_cache() if reuse.prompt_cache is None else reuse.prompt_cache
+    if policy is None:
+        policy = adaptive.policy(target, drafter, plan.block_size, plan.params.greedy, largest=plan.largest)
+    context = DraftContext(drafter, plan.draft_window, plan.draft_sink) if reuse.draft_context is None \
+        else reuse.draft_context
+    seq = Sequence(target, drafter, cache, context, plan.params, plan.logits_processors,
+                   KVQuantization(plan.kv_bits, plan.kv_group_size, plan.quantized_kv_start),
+                   CycleStats(max(policy.largest, policy.copy_largest)), prompt)
+    logits, features = prefill(target, prompt[reuse.cached_tokens:], cache, plan.prefill_step_size, seq.kv)
+    context.add(features)
+    return seq, policy, processed_logprobs(logits, prompt[:-1], prompt[-1:], plan.logits_processors)
+
+
+def plain_step(seq: Sequence, plain: PlainSteps, policy: adaptive.Policy, clock: Clock, choice: adaptive.Choice):
+    """A plain decode step, pipelined: the step before it is read (and yielded) a step late."""
+    shadow = plain.step()
+    policy.record(1, 0, choice.copy)
+    seq.stats.record(1, 0, choice.fallback)
+    seq.stats.shadows += shadow
+    clock.plain(pipelined=plain.waiting > 1)
+    if plain.waiting > 1:
+        yield seq.out(*plain.take())
+
+
+class TreeBudget:
+    """The nodes of the tree each drafted cycle verifies (``plan.tree_budget``): a number, or
+    "auto" (per block size, the live choice among the trees the cost curve names,
+    ``trees.Arms``); 0 for a chain, ``stats.chain_why`` saying why."""
+
+    def __init__(self, seq: Sequence, plan: Plan, policy: adaptive.Policy, costs: Optional[adaptive.CostModel]):
+        self.seq, self.budget = seq, plan.tree_budget
+        self.arms, self.arm = {}, None  # block size -> its trees' live choice; this cycle's
+        if self.budget == "auto":
+            target, drafter = seq.target, seq.drafter
+            costs = costs or getattr(policy, "costs", None) or adaptive.cost_model(target, drafter)
+            # The calibrated curve names the trees: a policy's live timing corrects a chain's or a
+            # copy's cycle, not a tree's (tree cycles are timed by ``trees.Arms`` itself).
+            costs = costs.costs if isinstance(costs, adaptive.Corrected) else costs
+            if getattr(costs, "coarse", False):  # a first use measured a chain's rows only: a tree's are measured now
+                costs = adaptive.cost_model(target, drafter, whole=True)
+        self.costs = costs
+
+    def nodes(self, choice: adaptive.Choice) -> int:
+        seq, self.arm = self.seq, None
+        nodes = 0 if choice.copy or not self.budget else self.budget
+        if nodes == "auto":
+            if choice.block not in self.arms:
+                self.arms[choice.block] = trees.Arms(self.costs, choice.block, seq.history.size)
+            self.arm = self.arms[choice.block]
+            nodes = self.arm.choose()
+            seq.stats.chain_why = (None if nodes > choice.block - 1 else
+                                   f"at block {choice.block}, no tree is priced within 1.4x the chain on this machine"
+                                   if len(self.arm.candidates) == 1 else
+                                   f"at block {choice.block}, the chain gave the most tokens per second")
+            nodes = 0 if seq.stats.chain_why else nodes
+        if nodes:
+            seq.stats.chain_why = trees.fits(seq.target, seq.cache, nodes + 1)
+            nodes = 0 if seq.stats.chain_why else nodes
+        return nodes
+
+    def record(self, nodes: int, block: int, accepted: int, took: Optional[float]):
+        """An "auto" cycle's tokens and time, for its arm."""
+        if self.arm is not None and took is not None:
+            self.arm.record(nodes or block - 1, accepted + 1, took)

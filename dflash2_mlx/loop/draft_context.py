@@ -8,10 +8,13 @@ to go lands on the first tokens, and a window without them shifts it onto others
 rows keep their absolute positions.
 """
 
+import weakref
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+from .kv_quant import kv_offset
 
 FLUSH_ROWS = 256  # pending rows that are fed at once even without a draft (bounds memory)
 
@@ -63,3 +66,19 @@ class DraftContext:
         """Drop the latest ``n`` rows."""
         for c in self.fed():
             c.trim(n)
+
+
+# A prompt cache's first layer -> the drafter context of the tokens it holds, for mlx-lm's
+# use of a prompt cache (the caller keeps only the target's cache from turn to turn).
+chat_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def chat_context(prompt_cache: list, drafter, window: Optional[int], sink: int) -> DraftContext:
+    """The drafter context of the tokens ``prompt_cache`` holds, kept from the call that left
+    them there; a fresh one (this call's tokens only) where none matches the cache."""
+    context = chat_contexts.get(prompt_cache[0])
+    if (context is None or context.drafter is not drafter or (context.window, context.sink) != (window, sink)
+            or context.size != kv_offset(prompt_cache)):
+        context = DraftContext(drafter, window, sink)
+    chat_contexts[prompt_cache[0]] = context
+    return context

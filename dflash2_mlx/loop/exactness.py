@@ -19,7 +19,7 @@ steps (``Target.verify_pass``).
 """
 
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -264,3 +264,21 @@ def note_of_source(source: dict) -> str:
     key = (store.read(store.cache_dir() / f"source-{_source_key(source)}.json") or {}).get("key")
     v = _kept(key) if isinstance(key, str) else None
     return NOT_PROBED if v is None else v.describe()
+
+
+def exactness_of(model, exact: bool) -> Tuple[str, Optional[str]]:
+    """(what a response says of its exactness, how verify rows are made exact: None where
+    passes are row-exact already or exactness was not asked, "pass" for a row-exact pass,
+    "steps" for one-row steps).  With ``exact`` the probe runs now if this machine has no
+    verdict for the target yet."""
+    v = verdict(model) if exact else known(model)  # probes the pass if untried
+    if v is None:
+        return f"{NOT_PROBED} (dflash2-mlx doctor --exact)", None
+    if v.exact:
+        return "exact", None
+    if exact and v.exact_pass:
+        return f"exact, by the exact mode's row-exact verify pass (ordinary passes here are {v.describe()})", "pass"
+    if exact:
+        return f"exact, by the exact mode's one-row verify (ordinary passes here are {v.describe()})", "steps"
+    return (f"{v.describe()}: greedy output may leave plain decoding's where two tokens nearly tie "
+            "(the exact mode rules that out: --exact, exact=True, dflash_exact)"), None

@@ -14,11 +14,9 @@
 The cycle that uses them is ``loop/cycle.py``'s ``tree_cycle``.
 """
 
-# The most nodes a tree may verify in one pass (besides the anchor).
-MAX_BUDGET = 64
-
+from ..request.plan import MAX_BUDGET, check_budget
 from .accept import accept, lattice  # noqa: E402
-from .budget import Arms, check_budget, choose  # noqa: E402
+from .budget import Arms, choose  # noqa: E402
 from .grow import GREEDY_TEMPERATURE, Tree, grow, path_tree  # noqa: E402
 from .target_pass import compact, fits, tree_pass  # noqa: E402
 

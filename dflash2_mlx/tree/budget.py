@@ -11,9 +11,7 @@ are tried again now and then (acceptance drifts with the text).  A tree that doe
 here runs only in those tries: never far below the chain.
 """
 
-from typing import Dict, List, Union
-
-from . import MAX_BUDGET
+from typing import Dict, List
 
 SIZES = (8, 16, 32)  # the trees ``auto`` weighs beyond the chain (``adaptive.costs.TREE_ROWS``)
 SLACK = 1.05
@@ -21,18 +19,6 @@ WORTH = 1.4  # a tree priced above this many chains would need 40% more acceptan
 TRIES = 1  # cycles each candidate runs before the choice
 REVISIT = 64  # every this many cycles, the candidate least recently run runs once
 DECAY = 0.8  # the weight of a candidate's earlier cycles (its tokens and seconds) at each new one
-
-
-def check_budget(budget: Union[int, str, None]) -> Union[int, str]:
-    """A tree budget as given (a number of nodes, or "auto"), or a clear error."""
-    if budget is None or budget == "auto":
-        return "auto"
-    if isinstance(budget, str) and budget.isdigit():
-        budget = int(budget)
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(f"tree budget {budget!r} is impossible: give a number of nodes from 1 to "
-                         f"{MAX_BUDGET}, or 'auto'")
-    return budget
 
 
 class Arms:
