@@ -190,7 +190,7 @@ def speculative_generate_step(prompt: mx.array, target: Target, drafter: Drafter
     ``planned``: the ``Plan``'s fields (``max_tokens``, ``params``, ``lookup``,
     ``tree_budget``, ``draft_window``, mlx-lm's KV quantization, ...)."""
     policy = block_size if isinstance(block_size, adaptive.Policy) else None
-    plan = Plan(block_size=adaptive.AUTO if policy else block_size, **planned)
+    plan = Plan(block_size=adaptive.AUTO if policy is not None else block_size, **planned)
     return dflash_steps(prompt, target, drafter, plan, policy, Reuse(prompt_cache, context, cached_tokens),
                         settle, costs)
 
