@@ -113,10 +113,10 @@ def test_production_variants_cover_what_production_dispatches():
 
 
 def test_twins_import_nothing_of_the_kernels():
-    """One-way structure: the twins define meaning; dispatch (kernels/) sits above them
-    and the drafter's modules call the dispatch."""
+    """One-way structure: the twins define meaning; the dispatch beside them in kernels/
+    reads them, never the reverse, and the drafter's modules call the dispatch."""
     for name in ("conv", "selector"):
-        tree = ast.parse(Path(importlib.import_module(f"dflash2_mlx.model.{name}").__file__).read_text())
+        tree = ast.parse(Path(importlib.import_module(f"dflash2_mlx.kernels.{name}").__file__).read_text())
         imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not any("kernels" in m or m.startswith("dflash2_mlx") or m == "" for m in imported), (name, imported)

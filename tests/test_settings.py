@@ -18,12 +18,16 @@ from dflash2_mlx.cli.main import app
 from tiny_models import make_drafter, make_target
 
 SETTINGS_FILE = Path(settings_module.__file__)
-# Writer processes load settings.py alone (stdlib only), so they start in milliseconds.
+# Writer processes load settings.py and the modes' table it reads (stdlib only), not the
+# packages' __init__ (MLX), so they start in milliseconds.
 PRELUDE = f"""
-import importlib.util, os, sys
-spec = importlib.util.spec_from_file_location("settings", {str(SETTINGS_FILE)!r})
-settings = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(settings)
+import importlib, os, sys, types
+root = {str(SETTINGS_FILE.parents[1])!r}
+for name, path in (("dflash2_mlx", root), ("dflash2_mlx.request", root + "/request"),
+                   ("dflash2_mlx.backend", root + "/backend")):
+    sys.modules[name] = types.ModuleType(name)
+    sys.modules[name].__path__ = [path]
+settings = importlib.import_module("dflash2_mlx.backend.settings")
 SettingsStore = settings.SettingsStore
 """
 

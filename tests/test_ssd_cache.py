@@ -297,3 +297,29 @@ def test_the_writer_thread_serves_an_entry_until_its_file_is_in_place(tmp_path, 
     again = DiskTier(tmp_path, 10**8)
     assert again.best([5, 6, 7, 8, 9], draft=True) == (name, 4)
     _same(again.load(name), entry)
+
+
+def test_the_files_and_the_one_being_written_stay_within_the_budget(tmp_path, monkeypatch):
+    """Room is made before a file is written (a kill -9 mid-write leaves its temporary file:
+    the folder stays within budget with it), and the oldest entries are the ones that go."""
+    from dflash2_mlx.backend import ssd_cache
+
+    write, seen = ssd_cache._write_safetensors, []
+
+    def measured(path, head, raw):  # the folder's bytes as the write ends, the new file in
+        write(path, head, raw)
+        seen.append(sum(f.stat().st_size for f in tmp_path.iterdir() if f.is_file()))
+
+    monkeypatch.setattr(ssd_cache, "_write_safetensors", measured)
+    probe = DiskTier(tmp_path / "probe", 10**8)
+    probe.put(_entry([1] * 16))
+    probe.flush()
+    one = probe.stats()["prefix_cache_ssd_bytes"]
+    seen.clear()
+    disk = DiskTier(tmp_path, int(one * 2.5))  # two entries, not three
+    for first in range(2, 7):
+        disk.put(_entry([first] * 16))
+        disk.flush()
+    assert len(seen) == 5 and max(seen) <= disk.budget, (seen, disk.budget)
+    assert disk.stats()["prefix_cache_ssd_entries"] == 2
+    assert disk.best([6] * 17, draft=True)[1] == 16 and disk.best([2] * 17, draft=True)[1] == 0

@@ -105,20 +105,23 @@ def _checksum(raw: dict) -> str:
     return h.hexdigest()
 
 
-def _write_safetensors(path: Path, raw: dict, meta: dict):
-    """A safetensors file of ``raw`` arrays (the format's header, then the bytes by name, as
-    MLX orders them)."""
-    raw = dict(sorted(raw.items()))
+def _header(raw: dict, meta: dict) -> bytes:
+    """A safetensors file's head for ``raw`` arrays: its length, then the header (the bytes
+    by name, as MLX orders them)."""
     header, offset = {"__metadata__": meta}, 0
-    for name, (dtype, shape, data) in raw.items():
+    for name, (dtype, shape, data) in sorted(raw.items()):
         header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + data.nbytes]}
         offset += data.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the bytes start 8-aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_safetensors(path: Path, head: bytes, raw: dict):
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for _, _, data in raw.values():
-            f.write(memoryview(data))
+        f.write(head)
+        for name in sorted(raw):
+            f.write(memoryview(raw[name][2]))
 
 
 def _writer_gone(tmp: Path) -> bool:
@@ -281,23 +284,27 @@ class DiskTier:
                 self._waiting.task_done()
 
     def _write(self, name: str, pending: _Pending):
-        """Write one entry's file (entries it covers go); the oldest files go while over budget."""
+        """Write one entry's file.  Room is made first (the entries it covers go, then the
+        oldest while over budget), so the files and the one being written stay within it."""
         entry = pending.entry
+        head = _header(pending.raw, {**pending.meta, "sha256": _checksum(pending.raw)})
+        size = len(head) + sum(data.nbytes for _, _, data in pending.raw.values())
+        with self._lock:
+            for old, s in list(self.entries.items()):
+                if old != name and covers(entry.tokens, entry.draft is not None, entry.trimmable, s.tokens, s.draft,
+                                          entry.floor, s.floor):
+                    self._drop(old)
+            self._drop(name)  # (rewritten: its old file is replaced)
+            self._fit(room=size)
         tmp = self.root / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp.safetensors"
         try:
-            _write_safetensors(tmp, pending.raw, {**pending.meta, "sha256": _checksum(pending.raw)})
-            size = tmp.stat().st_size
+            _write_safetensors(tmp, head, pending.raw)
             os.replace(tmp, self._path(name))
         except Exception as e:  # a full disk, a removed directory: the request goes on
             log.warning("prefix cache: could not write to %s (%s)", self.root, e)
             tmp.unlink(missing_ok=True)
             return
         with self._lock:
-            for old, s in list(self.entries.items()):
-                if old != name and covers(entry.tokens, entry.draft is not None, entry.trimmable, s.tokens, s.draft,
-                                          entry.floor, s.floor):
-                    self._drop(old)
-            self.entries.pop(name, None)
             self.entries[name] = Spilled(entry.tokens, entry.draft is not None, entry.trimmable, size, entry.floor)
             self._fit()
 
@@ -345,6 +352,7 @@ class DiskTier:
         self.entries.pop(name, None)
         self._path(name).unlink(missing_ok=True)
 
-    def _fit(self):
-        while self.entries and self.nbytes > self.budget:
+    def _fit(self, room: int = 0):
+        """The oldest files go until they and ``room`` bytes more fit the budget."""
+        while self.entries and self.nbytes + room > self.budget:
             self._drop(next(iter(self.entries)))

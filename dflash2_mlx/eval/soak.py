@@ -731,7 +731,8 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
             "errors": errors[:50],
             "events": log.events,
             "samples": [{k: v for k, v in s.items() if k != "metrics"} for s in log.samples],
-            "latency": [{"t": r["t"], "kind": r["kind"], "seconds": r["seconds"], "ttft": r["ttft"]} for r in checked],
+            "latency": [{"t": r["t"], "kind": r["kind"], "seconds": r["seconds"], "ttft": r["ttft"],
+                         "gap_p95": p95(r["gaps"])} for r in checked],
             "final_metrics": final}
 
 
@@ -770,10 +771,16 @@ def plot(report: dict, path: Path):
     step = max(60.0, report["config"]["minutes"] * 60 / 30)
     buckets = {}
     for r in lat:
-        buckets.setdefault(int(r["t"] // step), []).append(r["seconds"])
+        buckets.setdefault(int(r["t"] // step), []).append(r)
     keys = sorted(buckets)
-    b.plot([(k + 0.5) * step / 60 for k in keys], [p95(buckets[k]) for k in keys], "o-")
+    at = [(k + 0.5) * step / 60 for k in keys]
+    b.plot(at, [p95([r["seconds"] for r in buckets[k]]) for k in keys], "o-", label="request")
     b.set_ylabel("p95 request latency (s)")
+    c = b.twinx()  # a streamed reply's own p95 gap, its p95 over the bucket's replies
+    c.plot(at, [p95([r.get("gap_p95") for r in buckets[k]]) for k in keys], "s--", color="tab:orange",
+           label="token gap")
+    c.set_ylabel("p95 token gap (s)")
+    b.legend(handles=b.get_lines() + c.get_lines(), loc="upper left")
     b.set_xlabel("minutes")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

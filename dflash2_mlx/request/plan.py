@@ -80,7 +80,8 @@ class Plan:
             tree_budget = check_budget(tree_budget)
         verify = kind if drafter is not None else "off"
         sampling = {f.name for f in fields(SamplingParams)}
-        params = SamplingParams(**{k: asked.pop(k) for k in list(asked) if k in sampling and asked[k] is not None})
+        given = {k: asked.pop(k) for k in list(asked) if k in sampling}
+        params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
         largest = None
         if verify != "off":
             block_size = check_block_size(drafter, block_size)
