@@ -730,10 +730,18 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
             "lines": lines, "counts": counts, "differing": differ[:50], "unshaped": [r for r in bad if not r["shaped"]][:20],
             "errors": errors[:50],
             "events": log.events,
-            "samples": [{k: v for k, v in s.items() if k != "metrics"} for s in log.samples],
+            "samples": [_sample(s) for s in log.samples],
             "latency": [{"t": r["t"], "kind": r["kind"], "seconds": r["seconds"], "ttft": r["ttft"],
                          "gap_p95": p95(r["gaps"])} for r in checked],
             "final_metrics": final}
+
+
+def _sample(s: dict) -> dict:
+    """A sample as the report keeps it: RSS, disk, and each model's requests running and
+    queued (what a stall is read from), not the whole ``/metrics``."""
+    models = (s.get("metrics") or {}).get("models") or {}
+    return {**{k: v for k, v in s.items() if k != "metrics"},
+            "running": {m: [x.get("active_requests"), x.get("queued_requests")] for m, x in models.items()}}
 
 
 def _within(a, b, factor: float = 1.5) -> bool:
