@@ -44,10 +44,10 @@ def chunks_read(monkeypatch):
     return count
 
 
-def engine_of(pair, **settings):
+def engine_of(pair, max_batch=4, **settings):
     target, drafter = pair
     return Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter), **settings),
-                  model_id="tiny", max_queue=4, max_batch=4)
+                  model_id="tiny", max_queue=4, max_batch=max_batch)
 
 
 def long_ids(n=LONG):
@@ -142,6 +142,59 @@ def test_a_short_request_is_answered_while_a_long_prompt_is_read(pair, chunks_re
     assert short.finish_reason == "length" and short.completion_tokens == 3
     assert read_then < read_in_all, "the short request waited for the whole long prompt"
     assert long.finish_reason == "length" and long.completion_tokens == 4
+
+
+def test_long_prompts_are_read_one_at_a_time_and_short_requests_pass_them(pair, monkeypatch):
+    """Two long prompts hold both of the batch's places: the second waits while the first is
+    read (read together, each would take as long as both) and passes its place on, so a short
+    request that comes meanwhile is answered before either long one; both replies are their
+    single streams'."""
+    from dflash2_mlx.backend import batch_job
+    order = []  # the prompt length of each chunk read, in order
+    real = PrefixCache.advance_steps
+
+    def counted(start, ids, *a, **kw):
+        for _ in real(start, ids, *a, **kw):
+            order.append(len(ids))
+            time.sleep(0.01)  # a slow machine's chunk: the short request comes while they are read
+            yield
+
+    monkeypatch.setattr(PrefixCache, "advance_steps", staticmethod(counted))
+    monkeypatch.setattr(prefix_cache, "PREFILL_CHUNK_SECONDS", 1e-6)
+    for name in ("MIN_CHUNK_SECONDS", "PREFILL_CHUNK_SECONDS"):  # chunks of 32 tokens in the batch
+        monkeypatch.setattr(batch_job, name, 1e-6)
+    target, drafter = pair
+    reference = worker_reference(target, drafter)
+    first_ids, second_ids = long_ids(2000), long_ids(1800)[::-1]
+
+    async def scenario():
+        e = engine_of(pair, max_batch=2)
+        await e.start()
+        try:
+            first = asyncio.ensure_future(asyncio.wait_for(_all(e.stream_ids(first_ids, max_tokens=4)), 120))
+            await until(lambda: len(order) >= 2)
+            second = asyncio.ensure_future(asyncio.wait_for(_all(e.stream_ids(second_ids, max_tokens=4)), 120))
+            then = len(order)
+            await until(lambda: len(order) >= then + 5)  # the first has handed over: both are in the batch
+            short = await asyncio.wait_for(_last(e.stream_ids([3, 4, 5], max_tokens=3, logit_bias=NO_EOS)), 60)
+            long_done_when_short_ended = first.done() or second.done()
+            return short, long_done_when_short_ended, await first, await second
+        finally:
+            await e.stop()
+
+    short, long_done, first, second = asyncio.run(scenario())
+    assert short.finish_reason == "length" and short.completion_tokens == 3
+    assert not long_done, "the short request waited for a long prompt to be read"
+    # The first prompt is read to its end (by its single stream, then in the batch) before
+    # any chunk of the second.
+    switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
+    assert switches == 1, f"the long prompts were read in turns: {order}"
+    assert first == reference(first_ids, max_tokens=4)
+    assert second == reference(second_ids, max_tokens=4)
+
+
+async def _all(chunks) -> str:
+    return "".join([c.text async for c in chunks])
 
 
 def test_a_prompt_read_in_chunks_gives_the_same_tokens(pair, chunks_read):

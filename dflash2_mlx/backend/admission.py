@@ -89,6 +89,8 @@ class Request:
         self.chunks: Optional[asyncio.Queue] = None
         self.done: Optional[Future] = None  # in the batch: set when the batch is done with it
         self.push = None  # its chunks' way out (set on the worker)
+        self.loop = None  # the event loop its stream runs on (set when the stream starts)
+        self.aside = False  # it has passed its turn on while it waits inside its job
 
 
 # A request's turn has come: start its job (request, push) -> the job's future.
@@ -147,7 +149,7 @@ class Admission:
     async def serve(self, request: Request, max_running: Callable[[], int], begin: Begin) -> AsyncIterator[Chunk]:
         """The request's stream: its turn, then its job's chunks as they come."""
         request.started = True
-        loop = asyncio.get_running_loop()
+        loop = request.loop = asyncio.get_running_loop()
         request.chunks = asyncio.Queue()
         job = None
         try:
@@ -175,6 +177,21 @@ class Admission:
             if job is None:  # never reached the worker
                 self._release(request)
 
+    def step_aside(self, request: Request, aside: bool = True):
+        """From the worker: a request that waits inside its job for another (a long prompt
+        behind one being read) passes its turn on, so the next in line runs meanwhile; it
+        takes a place again (``aside=False``) when its wait is over, above the limit if need be."""
+        call_soon(request.loop, self._step_aside, request, aside)
+
+    def _step_aside(self, request: Request, aside: bool):
+        if request.finished or request.aside == aside:
+            return
+        request.aside = aside
+        if aside:
+            self.turns.leave()
+        else:
+            self.turns.running += 1
+
     def _unqueue(self, request: Request):
         if request.queued:
             request.queued = False
@@ -197,7 +214,8 @@ class Admission:
         request.finished = True
         self.jobs.discard(job)
         self.requests.pop(request.id, None)
-        self.turns.leave()
+        if not request.aside:  # one that stepped aside has passed its turn on already
+            self.turns.leave()
         self.last_used = time.monotonic()
 
 

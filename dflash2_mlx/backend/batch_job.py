@@ -112,6 +112,8 @@ class Reading:
     ids: List[int]
     start: object
     steps: object  # the generator reading the prompt, a chunk a step
+    long: bool = False  # more than READ_AT_ONCE tokens to read: one such prompt is read at a time
+    aside: bool = False  # waiting for another long prompt, its admission turn passed on
 
 
 class Batching:
@@ -262,7 +264,7 @@ class Batching:
         if (unread > READ_AT_ONCE or (windowed(start.cache) and unread > 0)) and e.lockstep is None:
             steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=self.chunk_seconds,
                                                  first=FIRST_CHUNK)
-            reading.append(Reading(request, push, carry, ids, start, steps))
+            reading.append(Reading(request, push, carry, ids, start, steps, long=unread > READ_AT_ONCE))
             return
         self._enter(gen, joined, request, push, carry, ids, start)
 
@@ -272,7 +274,7 @@ class Batching:
         that took longer than their cycle (at a long context one token does) is followed by
         cycles only, until the chunks had ``PREFILL_SHARE`` of the time: their gaps stay a
         cycle but in one step out of many."""
-        turn = list(reading)
+        turn = self._readers(reading)
         if joined and self.owed > 0:
             turn = [r for r in turn if r.request.aborted.is_set()]  # only those leaving
         for r in turn:
@@ -294,6 +296,22 @@ class Batching:
             except Exception as ex:
                 reading.remove(r)
                 self._refuse(r.request, r.push, "error", ex)
+
+    def _readers(self, reading: list) -> list:
+        """The prompts read this step: the short ones, and the first of the long ones.  The
+        other long ones wait their turn (read at once, each would take as long as all of them)
+        and pass their admission turns on meanwhile, so short requests are not held behind
+        them; requests given up are listed too, to leave."""
+        first = next((r for r in reading if r.long), None)
+        out = []
+        for r in reading:
+            waits = r.long and r is not first
+            if waits != r.aside:
+                r.aside = waits
+                self.engine.admission.step_aside(r.request, waits)
+            if not waits or r.request.aborted.is_set():
+                out.append(r)
+        return out
 
     def _keep_read(self, r: Reading):
         """A prompt given up while read: what was read goes to the prefix cache (a client
