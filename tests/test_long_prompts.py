@@ -6,6 +6,7 @@ tiny model's prompt takes many of them."""
 
 import asyncio
 import time
+import types
 
 import pytest
 
@@ -252,3 +253,29 @@ def test_a_prompt_read_beside_decoding_requests_is_read_in_chunks_of_their_cycle
     tiny = on_worker(chunks, lambda: asked.append(1) or 1e-9)
     assert tiny[0] == 128 and set(tiny[1:]) == {1} and len(asked) == len(tiny)
     assert on_worker(chunks, 1e9) == [128, 72]
+
+
+def test_the_prompts_in_line_get_more_of_the_time_as_the_line_grows(monkeypatch):
+    """Beside decoding requests, a chunk that takes longer than their cycle is followed by
+    cycles only until the chunks had their share: the batch's cycles one part, each prompt in
+    line one part.  One prompt: the cycles are owed as long as its chunk took; three: a third
+    of what their chunks took (not as long again: a line drains in n + 1 times one's time)."""
+    from dflash2_mlx.backend import batch_job
+    from dflash2_mlx.backend.admission import Request
+    from dflash2_mlx.backend.options import RequestOptions
+
+    clock = [0.0]
+    monkeypatch.setattr(batch_job, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def chunks():  # each chunk of a prompt takes 10 ms of the clock
+        while True:
+            clock[0] += 0.01
+            yield
+
+    for line, owed in ((1, 0.01), (3, 0.01)):
+        b = batch_job.Batching(engine=None)
+        b.cycle_seconds = 0.001
+        reading = [batch_job.Reading(Request(f"r{i}", [3, 4, 5], RequestOptions()), None, None, [3, 4, 5], None,
+                                     chunks()) for i in range(line)]
+        b._read(None, {0: "decoding"}, reading)
+        assert b.owed == pytest.approx(owed), line

@@ -96,10 +96,17 @@ class Joined:
 READ_AT_ONCE = 256
 MIN_CHUNK_SECONDS = 0.02  # a chunk's least time: below it a chunk's fixed costs dominate
 CHUNK_OF_CYCLE = 0.75  # a chunk read beside decoding requests, in their cycles
-# Of the time, what chunks longer than a cycle take while requests decode: half, so that a
-# long prompt read beside a busy batch has its first token within about twice its time alone
-# (a smaller share starves it: its client gives up, and a retry starts over).
-PREFILL_SHARE = 0.5
+
+
+def prefill_share(waiting: int) -> float:
+    """Of the time, what chunks longer than a cycle take while requests decode, with
+    ``waiting`` prompts to read (the one read now included): the batch's cycles count as one
+    part and each prompt in line as one, so a long prompt alone gets half (its first token
+    within about twice its time alone: a smaller share starves it, its client gives up, and
+    a retry starts over), and a line of n long prompts is read in about n + 1 times one's
+    time alone, not 2n (the last in line would outwait its client)."""
+    return waiting / (waiting + 1)
+
 FIRST_CHUNK = 8  # tokens of a prompt's first chunk in the batch: at a long context a token is slow
 
 
@@ -272,9 +279,9 @@ class Batching:
         """One chunk of each prompt being read; a prompt read to its last token enters the
         batch, a request given up meanwhile leaves before it.  While requests decode, a chunk
         that took longer than their cycle (at a long context one token does) is followed by
-        cycles only, until the chunks had ``PREFILL_SHARE`` of the time: their gaps stay a
-        cycle but in one step out of many."""
-        turn = self._readers(reading)
+        cycles only, until the chunks had their share of the time (``prefill_share``): the
+        decoding requests' gaps stay a cycle but in one step out of many."""
+        turn, share = self._readers(reading), prefill_share(len(reading))
         if joined and self.owed > 0:
             turn = [r for r in turn if r.request.aborted.is_set()]  # only those leaving
         for r in turn:
@@ -288,7 +295,7 @@ class Batching:
                 next(r.steps)
                 took = time.perf_counter() - tic
                 if joined and self.cycle_seconds is not None and took > self.cycle_seconds:
-                    self.owed += took * (1 - PREFILL_SHARE) / PREFILL_SHARE
+                    self.owed += took * (1 - share) / share
             except StopIteration:
                 reading.remove(r)
                 self.engine.prefix_cache.read(r.ids[:-1], r.start)
