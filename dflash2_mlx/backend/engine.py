@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from ..adaptive import check_block_size
 from ..generate import load
-from ..loop import exactness
+from ..calibration import exactness
 from ..model.checkpoint import resolve
 from ..request.prompt import TemplateVariableError, chat_ids
 from . import follow

@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..loop import exactness
+from ..calibration import exactness
 from ..model.checkpoint import resolved_here
 from . import anthropic, follow, ollama, openapi, responses
 from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
