@@ -144,14 +144,17 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     a file ``dflash2-mlx doctor --export-costs`` wrote (another machine's, say) instead of
     this machine's calibration."""
     plan = Plan.of(drafter, **{k: v for k, v in locals().items() if k not in _NOT_PLANNED})
-    yield from _stream(model, tokenizer, prompt, drafter, plan, Reuse(prompt_cache, draft_context, cached_tokens))
+    yield from stream_plan(model, tokenizer, prompt, drafter, plan, Reuse(prompt_cache, draft_context, cached_tokens))
 
 
 # stream_generate's arguments that are not the plan's: the pair, the prompt, a reused prefix.
 _NOT_PLANNED = ("model", "tokenizer", "prompt", "drafter", "prompt_cache", "draft_context", "cached_tokens")
 
 
-def _stream(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan, reuse: Reuse):
+def stream_plan(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan, reuse: Optional[Reuse] = None):
+    """``stream_generate`` for a plan already made (a server's request makes its own, from
+    its options and the model's settings: ``backend/options.py: decoding_plan``)."""
+    reuse = reuse or Reuse()
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
