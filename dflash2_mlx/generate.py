@@ -137,7 +137,8 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     first token keeps a leading space (``detokenizer_after``).
     ``exact``: every verify row is computed as the target's own one-row decode step computes
     it, so greedy output is plain decoding's bit for bit on any backend.  Where this machine's
-    verify passes are already row-exact (the probe, ``loop/exactness.py``, run once and kept)
+    verify passes are already row-exact (the probe, ``loop/exactness.py``, run once and kept
+    by ``calibration/exactness.py``)
     this costs nothing; where they are not, each verify row becomes a one-row step (slower).
     Each response's ``exactness`` says which guarantee holds.
     ``cost_file``: the pass costs that "auto" block sizes and tree budgets are chosen by, from

@@ -1,8 +1,8 @@
 """What the loop's cycles really take against what the cost model priced them at, per kind
 of cycle and block size (``Timing``), and the cost model priced through it (``Corrected``),
 so a calibration that landed badly on a busy machine is corrected as the loop runs.  A
-process keeps one ``Timing`` per cost model, saved for the next process (``timing_for``,
-``save_timing``)."""
+process keeps one ``Timing`` per cost model, kept for the next process by the calibration
+service (``calibration/priced.py``: ``timing``, ``keep_timing``)."""
 
 from dataclasses import dataclass, field
 from typing import Dict, Optional

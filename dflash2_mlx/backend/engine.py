@@ -321,10 +321,11 @@ class Engine:
         """What the request runs with, fixed when its turn comes: its options under the
         settings of the moment (``generation``), and the one ``Plan`` it is decoded by (none
         for a prompt only scored: it decodes nothing)."""
-        g = request.generation = generation(request.options, self.settings, self.default_max_tokens,
-                                            self.tokenizer, self.vocab_size)
-        request.plan = None if g.max_tokens == 0 else decoding_plan(self.settings, self.drafter, len(request.ids),
-                                                                    g, request.continues)
+        s = request.settings = self.settings  # the request's, whatever later edits bring
+        g = request.generation = generation(request.options, s, self.default_max_tokens, self.tokenizer,
+                                            self.vocab_size)
+        request.plan = None if g.max_tokens == 0 else decoding_plan(s, self.drafter, len(request.ids), g,
+                                                                    request.continues)
 
     def _begin(self, request: Request, push) -> Future:
         """The request's turn has come: it joins the batch or runs as its own stream."""

@@ -72,7 +72,8 @@ class SoloStream:
 
     def __init__(self, engine, request: Request, push, solo: bool):
         self.engine, self.request, self.push, self.solo = engine, request, push, solo
-        self.settings = engine.settings  # the settings of the moment, for the whole request
+        # The settings its plan was made under (its turn's), for the whole request.
+        self.settings = request.settings or engine.settings
         self.n_prompt = len(request.ids)
         self.began = self.first = None
         self.last, self.finish, self.n = None, None, 0  # its latest response, finish, tokens

@@ -109,8 +109,7 @@ def export_costs(target, drafter, path) -> CostModel:
     from ..machine.identity import describe
 
     c = costs(target, drafter, whole=True)
-    Path(path).write_text(json.dumps({**c.to_json(), "pair": keys.pair_digest(target, drafter),
-                                      "machine": describe()}))
+    store.write_json(Path(path), {**c.to_json(), "pair": keys.pair_digest(target, drafter), "machine": describe()})
     return c
 
 

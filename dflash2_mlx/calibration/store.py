@@ -49,11 +49,17 @@ def read(kind: str, key: str) -> Optional[dict]:
 
 
 def write(kind: str, key: str, data: dict):
-    """Keep ``data`` as the record (atomically: a temp file renamed over the old one)."""
-    p = path(kind, key)
+    """Keep ``data`` as the record."""
+    write_json(path(kind, key), {"format": FORMAT, "kind": kind, "data": data})
+
+
+def write_json(p: Path, obj: dict):
+    """Atomically (a temp file renamed over the old one), its folder made if need be: a
+    record, or a cost file exported for another machine."""
+    p = Path(p)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "kind": kind, "data": data}))
+    tmp.write_text(json.dumps(obj))
     os.replace(tmp, p)
 
 
