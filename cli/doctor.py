@@ -28,17 +28,15 @@ def doctor(
 
     run_doctor(echo=typer.echo, verbose=verbose)
     if recalibrate:
-        from ..adaptive import store
+        from ..calibration import recalibrate as forget
+        from ..calibration.store import home
 
-        gone = [p for pattern in ("costs-*.json", "timing-*.json") for p in store.cache_dir().glob(pattern)]
-        for p in gone:
-            p.unlink(missing_ok=True)
-        typer.echo(f"recalibrate: {len(gone)} kept cost and timing file(s) removed from {store.cache_dir()}; "
+        typer.echo(f"recalibrate: {forget()} kept cost and timing record(s) removed from {home()}; "
                    "the next DFlash request measures again")
     exactness_report(model, measure=exact, echo=typer.echo, verbose=verbose)
     if export_costs is not None:
         import dflash2_mlx as d
-        from ..adaptive import export_costs as export
+        from ..calibration import export_costs as export
         from ..loop.target import attach
 
         if (model is None) != (draft is None):

@@ -112,12 +112,11 @@ def run_doctor(echo=print, verbose: bool = False) -> list:
 
 
 def exactness_report(model: Optional[str] = None, measure: bool = False, echo=print, verbose: bool = False) -> list:
-    """Whether verify passes are row-exact here (``loop/exactness.py``): the verdicts kept
+    """Whether verify passes are row-exact here (``calibration/exactness.py``): the verdicts kept
     for this machine and BLAS (no model loaded; every kept one with ``verbose``), or with
     ``measure`` a fresh probe of ``model`` (the built-in target by default), kept for later
     runs.  Each line names the target, dtype, device and BLAS it holds for."""
-    from ..adaptive import store
-    from ..loop import exactness
+    from ..calibration import exactness
 
     if measure:
         import mlx_lm
@@ -131,12 +130,7 @@ def exactness_report(model: Optional[str] = None, measure: bool = False, echo=pr
         target, _ = mlx_lm.load(str(resolve(model)))
         verdicts = [exactness.verdict(target, refresh=True)]
     else:
-        verdicts = []
-        for path in sorted(store.cache_dir().glob("exact-*.json")):
-            try:
-                verdicts.append(exactness.Verdict(**store.read(path)))
-            except TypeError:
-                continue
+        verdicts = list(exactness.kept_verdicts())
     here = exactness.machine_digest()
     others = [v for v in verdicts if v.machine != here]
     shown = verdicts if verbose or measure else [v for v in verdicts if v.machine == here]
@@ -178,17 +172,18 @@ def _exact_way(v) -> str:
 def costs_report(echo=print) -> list:
     """The verify-cost curves kept on this machine (one per calibrated pair) and the named
     fixture curves of other machines, as one table: a pass over N rows in one-row passes."""
-    from ..adaptive import CostModel, curves, store
+    from ..adaptive import CostModel, curves
+    from ..calibration import store
 
     columns = []
-    for path in sorted(store.cache_dir().glob("costs-*.json")):
+    for key, data in store.records("costs"):
         try:
-            costs = CostModel.from_json(store.read(path))
+            costs = CostModel.from_json(data)
         except (TypeError, KeyError, ValueError, AttributeError):
             continue
         one = costs.verify(1, 0)
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(costs.created))
-        columns.append((f"here {path.stem[6:14]}", {r: costs.verify(r, 0) / one for r in costs.target},
+        columns.append((f"here {key[:8]}", {r: costs.verify(r, 0) / one for r in costs.target},
                         f"1 row {one * 1e3:.1f} ms; measured {when}, other processes used {costs.busy:.0%} "
                         f"of the cores"))
     for name in curves.names():

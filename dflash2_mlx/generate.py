@@ -10,13 +10,12 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step, wired_lim
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import adaptive, distributed as dist, kernels
+from . import adaptive, calibration, distributed as dist, kernels
+from .calibration import exactness
 from .distributed import agree, fingerprint
-from .loop import exactness
 from .loop.cycle import dflash_steps
 from .loop.draft_context import DraftContext, chat_context
-from .loop.exactness import exactness_of
-from .loop.target import attach
+from .loop.target import Target, attach
 from .model.checkpoint import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
 from .model.drafter import Drafter, propose
 from .request.modes import VERIFY_MODES
@@ -25,7 +24,8 @@ from .request.prompt import encode_prompt
 from .request.sampling import SamplingParams
 from .responses import GenerationResponse, responses, stats_line
 
-__all__ = ["VERIFY_MODES", "GenerationResponse", "generate", "load", "stats_line", "stream_generate", "warm_kernels"]
+__all__ = ["VERIFY_MODES", "GenerationResponse", "generate", "load", "speculative_generate_step", "stats_line",
+           "stream_generate", "warm_kernels"]
 
 
 def load(target: Optional[str] = None, draft: Optional[str] = None, *,
@@ -137,21 +137,25 @@ def stream_generate(model, tokenizer, prompt, drafter: Optional[Drafter] = None,
     first token keeps a leading space (``detokenizer_after``).
     ``exact``: every verify row is computed as the target's own one-row decode step computes
     it, so greedy output is plain decoding's bit for bit on any backend.  Where this machine's
-    verify passes are already row-exact (the probe, ``loop/exactness.py``, run once and kept)
+    verify passes are already row-exact (the probe, ``loop/exactness.py``, run once and kept
+    by ``calibration/exactness.py``)
     this costs nothing; where they are not, each verify row becomes a one-row step (slower).
     Each response's ``exactness`` says which guarantee holds.
     ``cost_file``: the pass costs that "auto" block sizes and tree budgets are chosen by, from
     a file ``dflash2-mlx doctor --export-costs`` wrote (another machine's, say) instead of
     this machine's calibration."""
     plan = Plan.of(drafter, **{k: v for k, v in locals().items() if k not in _NOT_PLANNED})
-    yield from _stream(model, tokenizer, prompt, drafter, plan, Reuse(prompt_cache, draft_context, cached_tokens))
+    yield from stream_plan(model, tokenizer, prompt, drafter, plan, Reuse(prompt_cache, draft_context, cached_tokens))
 
 
 # stream_generate's arguments that are not the plan's: the pair, the prompt, a reused prefix.
 _NOT_PLANNED = ("model", "tokenizer", "prompt", "drafter", "prompt_cache", "draft_context", "cached_tokens")
 
 
-def _stream(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan, reuse: Reuse):
+def stream_plan(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan, reuse: Optional[Reuse] = None):
+    """``stream_generate`` for a plan already made (a server's request makes its own, from
+    its options and the model's settings: ``backend/options.py: decoding_plan``)."""
+    reuse = reuse or Reuse()
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
@@ -161,12 +165,10 @@ def _stream(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan, re
         mx.random.seed(agree.shared_seed(dist.group_of(model)))  # the ranks must sample alike
     policy, exact_note = None, "exact"  # plain decoding is the target's own
     if plan.verify != "off":
-        # Exact rows decide how to verify before the steps; otherwise the reply's note is read
-        # after them (a first use's calibration keeps a verdict beside it).
-        exact_note, one_row = exactness_of(model, True) if plan.exact else (None, None)
+        # The verdict decides how exact rows are verified (with ``exact``: probed now if
+        # this machine has none), and what the reply says of them.
+        exact_note, one_row = exactness.exactness_of(model, plan.exact)
         policy, tokens = _dflash_steps(model, drafter, ids, plan, reuse, one_row)
-        if not plan.exact:
-            exact_note = exactness_of(model, False)[0]
     else:
         tokens = _plain_steps(model, ids[reuse.cached_tokens:], plan, reuse.prompt_cache)
     # The prompt's time starts here: a first use's calibration (above) is not its.
@@ -179,12 +181,12 @@ def _stream(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan, re
                 if r.finish_reason is not None and owed is not None:
                     owed.first_use, owed = False, None
                     exactness.at_first_use(model)
-                    exact_note = exact_note if plan.exact else exactness_of(model, False)[0]
+                    exact_note = exact_note if plan.exact else exactness.exactness_of(model, False)[0]
                 r.exactness = exact_note
                 yield r
     finally:
         tokens.close()  # now, not when collected: a prompt_cache is settled before this returns
-        adaptive.remember(policy)
+        calibration.remember(policy)
 
 
 def _dflash_steps(model, drafter: Drafter, ids: mx.array, plan: Plan, reuse: Reuse, one_row: Optional[str]):
@@ -201,11 +203,11 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, plan: Plan, reuse: Reu
         context = chat_context(cache, drafter, plan.draft_window, plan.draft_sink)
     group = dist.group_of(model)
     if group is not None and plan.auto:
-        agree.prepare_costs(target, drafter, group)  # calibrated by all ranks together, or none
-    costs = adaptive.load_costs(plan.cost_file, target, drafter) if plan.cost_file else None
+        calibration.prepare_split(target, drafter, group)  # calibrated by all ranks together, or none
+    costs = calibration.load_costs(plan.cost_file, target, drafter) if plan.cost_file else None
     policy = agree.agreed(_block_policy(target, drafter, plan, one_row, costs), group)
     return policy, dflash_steps(ids, target, drafter, plan, policy, Reuse(cache, context, reuse.cached_tokens),
-                                settle=chat, costs=costs)
+                                settle=chat, costs=_tree_costs(target, drafter, plan, policy, costs))
 
 
 def _probe_owed(policy):
@@ -217,16 +219,46 @@ def _probe_owed(policy):
 
 
 def _block_policy(target, drafter: Drafter, plan: Plan, one_row: Optional[str] = None, costs=None):
-    """The block-size policy of one request (``adaptive.policy``).  "auto" measures the
-    machine's costs on a pair's first request (``adaptive.calibrate``).  Sampling with a seed
+    """The block-size policy of one request (``calibration.policy``).  "auto" measures the
+    machine's costs on a pair's first request (``calibration.calibrate``).  Sampling with a seed
     starts without the pair's history (same seed and costs, same text); greedy text is the
     target's whatever the block sizes, so it always uses it.  ``one_row``: verify rows are
     made exact (exact=True here: a row-exact pass or one-row steps), priced as one-row steps."""
     if one_row and plan.auto:
-        costs = (costs or adaptive.cost_model(target, drafter)).one_row_verify()
+        costs = (costs or calibration.costs(target, drafter)).one_row_verify()
     greedy = plan.params.greedy
-    return adaptive.policy(target, drafter, plan.block_size, greedy=greedy, history=plan.seed is None or greedy,
-                           costs=costs, largest=plan.largest)
+    return calibration.policy(target, drafter, plan.block_size, greedy=greedy, history=plan.seed is None or greedy,
+                              costs=costs, largest=plan.largest)
+
+
+def _tree_costs(target, drafter: Drafter, plan: Plan, policy, costs=None):
+    """The costs a tree budget of "auto" is sized by (else None): ``costs`` (a cost file's)
+    or the policy's calibrated curve, not its live timing's correction (that corrects a
+    chain's or a copy's cycle; tree cycles are timed by ``trees.Arms`` itself), and the
+    whole curve where a first use measured a chain's rows only."""
+    if plan.tree_budget != "auto":
+        return None
+    costs = costs or getattr(policy, "costs", None) or calibration.costs(target, drafter)
+    costs = costs.costs if isinstance(costs, adaptive.Corrected) else costs
+    return calibration.costs(target, drafter, whole=True) if getattr(costs, "coarse", False) else costs
+
+
+def speculative_generate_step(prompt: mx.array, target: Target, drafter: Drafter, *,
+                              block_size: Union[int, str, adaptive.Policy] = adaptive.AUTO,
+                              prompt_cache: Optional[list] = None, context: Optional[DraftContext] = None,
+                              cached_tokens: int = 0, settle: bool = False,
+                              costs: Optional[adaptive.CostModel] = None, **planned):
+    """The DFlash steps (``loop.cycle.dflash_steps``) under mlx-lm generate_step's keyword
+    arguments, priced by the calibration service.  ``block_size``: a number, "auto", or a
+    policy (``adaptive.Policy``); a reused prefix: the first ``cached_tokens`` of the prompt
+    are already in ``prompt_cache`` and ``context``; ``costs``: what a tree budget of "auto"
+    is sized by; ``planned``: the ``Plan``'s fields (``max_tokens``, ``params``, ``lookup``,
+    ``tree_budget``, ``draft_window``, mlx-lm's KV quantization, ...)."""
+    given = block_size if isinstance(block_size, adaptive.Policy) else None
+    plan = Plan(block_size=adaptive.AUTO if given is not None else block_size, **planned)
+    policy = given or calibration.policy(target, drafter, plan.block_size, plan.params.greedy, largest=plan.largest)
+    return dflash_steps(prompt, target, drafter, plan, policy, Reuse(prompt_cache, context, cached_tokens),
+                        settle, _tree_costs(target, drafter, plan, policy, costs))
 
 
 def _plain_steps(model, ids: mx.array, plan: Plan, prompt_cache: Optional[list]):

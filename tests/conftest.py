@@ -30,8 +30,8 @@ def _session_home(tmp_path_factory):
         # The workers of one run share what a single session would: the built-in target's
         # conversion and what is learned about each pair (its costs calibrated once).
         shared = tmp_path_factory.getbasetemp().parent / "dflash2_mlx_shared_home"
-        (shared / "adaptive").mkdir(parents=True, exist_ok=True)
-        (session / "adaptive").symlink_to(shared / "adaptive")
+        (shared / "calibration").mkdir(parents=True, exist_ok=True)
+        (session / "calibration").symlink_to(shared / "calibration")
         if not (real / MODEL_DIR).exists():
             real = _converted_once(shared)
     for name in (MODEL_DIR, "gguf"):

@@ -19,7 +19,7 @@ from openai import OpenAI
 from scipy import stats as sstats
 
 from dflash2_mlx.generate import load, stream_generate
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.model.target_model import model_args
 from dflash2_mlx.request.sampling import SamplingParams

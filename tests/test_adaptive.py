@@ -16,10 +16,11 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 import dflash2_mlx as d
-from dflash2_mlx import adaptive
+from dflash2_mlx import adaptive, calibration
+from dflash2_mlx.calibration import keys, measure, pair_costs, store
 from dflash2_mlx.adaptive import Acceptance, Adaptive, CostModel, best_block, expected_tokens
 from dflash2_mlx.responses import blocks_text, stats_line
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.loop.plain import shadow_chance
 from dflash2_mlx.loop.target import attach
@@ -151,7 +152,7 @@ def test_sampled_requests_start_from_a_firmer_prior(pair):
     model, _, drafter = pair["qwen3"]
     target = attach(model, drafter)
     for greedy_request, weight in ((True, adaptive.PRIOR_WEIGHT), (False, adaptive.SAMPLED_PRIOR_WEIGHT)):
-        chosen = adaptive.policy(target, drafter, greedy=greedy_request, costs=CPU, history=False)
+        chosen = calibration.policy(target, drafter, greedy=greedy_request, costs=CPU, history=False)
         assert chosen.acceptance.prior_weight == weight
 
 
@@ -355,7 +356,7 @@ def test_copies_grow_past_the_drafters_block(tmp_path):
     target = attach(model, drafter)
     costs = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0), 15: (2.2, 0.0)}, CPU.drafter)
     B = drafter.config.block_size
-    policy = adaptive.policy(target, drafter, costs=costs, history=False)
+    policy = calibration.policy(target, drafter, costs=costs, history=False)
     assert policy.largest == B and policy.copy_largest == max(B, adaptive.COPY_LARGEST)
     prompt = tok.encode("abc")
     ref = plain_tokens(model, prompt, 150)
@@ -365,7 +366,7 @@ def test_copies_grow_past_the_drafters_block(tmp_path):
         tokens.append(t)
     assert tokens == ref and stats.copied == stats.total_accepted
     assert max(stats.block_sizes) == policy.copy_largest > B
-    assert adaptive.policy(target, drafter, costs=costs, history=False, largest=5).copy_largest == 5
+    assert calibration.policy(target, drafter, costs=costs, history=False, largest=5).copy_largest == 5
 
 
 def test_copy_or_draft_by_expected_tokens_per_second():
@@ -451,7 +452,7 @@ def test_shadow_chance_is_a_block_2_drafts_acceptance(tmp_path, version):
 
 def test_stream_generate_reports_block_sizes(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive.cost_models.clear()
+    store.live.clear()
     model, tok, drafter = pair["qwen3"]
     ref = plain_tokens(model, tok.encode("abc dab"), 16)
     rs = list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16))
@@ -467,31 +468,37 @@ def test_stream_generate_reports_block_sizes(pair, tmp_path, monkeypatch):
     assert [r.token for r in capped] == [r.token for r in rs] and max(capped[-1].block_sizes) <= 3
     fixed = list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16, block_size=4))
     assert set(fixed[-1].block_sizes) == {4}
-    assert list((tmp_path / "adaptive").glob("acceptance-*.json"))  # history kept for next time
+    assert list((tmp_path / "calibration").glob("acceptance-*.json"))  # history kept for next time
 
 
 # --- the cost model: calibration and its cache -------------------------------------------------
 
+def forget_timings():
+    """This process's live timings forgotten (a new process), its cost models kept."""
+    for k in [k for k in store.live if k[0] == "timing"]:
+        del store.live[k]
+
+
 def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch):
-    from dflash2_mlx.adaptive.costs import STEP
+    from dflash2_mlx.calibration.measure import STEP
 
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive.cost_models.clear()
+    store.live.clear()
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
     # A first use measures a chain's rows and its copies' (coarse); a tree's first need, the
     # whole curve: the grid, and the middles where the curve between two of its rows was not
     # straight.
-    first = adaptive.cost_model(target, drafter)
+    first = calibration.costs(target, drafter)
     assert first.coarse and first.first_use and set(first.target) == set(range(1, 9)) | {12, 15}
     assert "first_use" not in first.to_json()
-    costs = adaptive.cost_model(target, drafter, whole=True)
+    costs = calibration.costs(target, drafter, whole=True)
     assert not costs.coarse and not costs.first_use
-    files = list((tmp_path / "adaptive").glob("costs-*.json"))
+    files = list((tmp_path / "calibration").glob("costs-*.json"))
     assert len(files) == 1
     grid = set(range(1, 10)) | {12, 15, 17, 33, 40}
     assert grid <= set(costs.target) <= set(range(1, 41)) and set(costs.drafter) == {2, 8}
-    short = adaptive.CONTEXTS[0]
+    short = measure.CONTEXTS[0]
     # Never cheaper than a larger block (up to rounding), unless by a step of more than STEP
     # that held when measured again (this CPU splits up to 15 rows over two streams, one above).
     for b in costs.target:
@@ -499,18 +506,27 @@ def test_calibration_is_cached_per_pair_and_machine(pair, tmp_path, monkeypatch)
         if larger:
             assert costs.verify(b, short) <= min(larger) + 1e-12 or costs.verify(b, short) > STEP * min(larger)
     assert all(s >= 0 for _, s in list(costs.target.values()) + list(costs.drafter.values()))
-    assert adaptive.cost_model(target, drafter) is costs  # in memory: nothing measured again
-    adaptive.cost_models.clear()
-    assert adaptive.cost_model(target, drafter).created == costs.created  # from disk
+    assert calibration.costs(target, drafter) is costs  # in memory: nothing measured again
+    store.live.clear()
+    assert calibration.costs(target, drafter).created == costs.created  # from disk
     stale = json.loads(files[0].read_text())
-    stale["created"] = time.time() - adaptive.STALE_AFTER_S - 1
+    stale["data"]["created"] = time.time() - adaptive.STALE_AFTER_S - 1
     files[0].write_text(json.dumps(stale))
-    adaptive.cost_models.clear()
-    assert adaptive.cost_model(target, drafter).created > stale["created"] + 1  # measured again (coarse)
-    extra = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1), sizes=[4])
+    store.live.clear()
+    again = calibration.costs(target, drafter)
+    assert again.created > stale["data"]["created"] + 1  # measured again (coarse)
+    # A record kept under another format is measured again and written over, never read.
+    older = json.loads(files[0].read_text())
+    older["format"] = store.FORMAT - 1
+    files[0].write_text(json.dumps(older))
+    store.live.clear()
+    assert store.read("costs", keys.costs(target, drafter)) is None
+    assert calibration.costs(target, drafter).created > again.created
+    assert json.loads(files[0].read_text())["format"] == store.FORMAT
+    extra = calibration.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1), sizes=[4])
     assert grid <= set(extra.target) <= set(range(1, 41)) and set(extra.drafter) == {2, 4, 8}
     other = pair["qwen3_5"]
-    assert adaptive.cost_key(attach(other[0], other[2]), other[2]) != adaptive.cost_key(target, drafter)
+    assert keys.costs(attach(other[0], other[2]), other[2]) != keys.costs(target, drafter)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
@@ -520,7 +536,7 @@ def test_calibration_times_passes_as_the_loop_runs_them(pair, family, monkeypatc
     state, as ``Sequence.verify`` runs them); an attention-only target's chains as plain
     passes."""
     from dflash2_mlx import tree as trees
-    from dflash2_mlx.adaptive.costs import TREE_ROWS
+    from dflash2_mlx.calibration.measure import TREE_ROWS
 
     model, tok, drafter = pair[family]
     target = attach(model, drafter)
@@ -535,7 +551,7 @@ def test_calibration_times_passes_as_the_loop_runs_them(pair, family, monkeypatc
         return real(target, tree, cache)
 
     monkeypatch.setattr(trees, "tree_pass", tree_pass)
-    costs = adaptive.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1))
+    costs = calibration.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1))
     for rows in TREE_ROWS:
         assert rows in passes and len(passes[rows]) == rows and max(passes[rows]) == min(depth, rows - 1)
     chains = sorted(set(costs.target) - set(TREE_ROWS) - {1})
@@ -576,61 +592,59 @@ def test_a_calibration_on_a_busy_machine_is_measured_again_and_not_kept(pair, tm
     taken twice, said to be busy, serves this process for a while only, and no cost file is
     written (a quiet calibration is kept: the test above)."""
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive.cost_models.clear()
+    store.live.clear()
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
     with busy_cores(monkeypatch):
         calls = []
-        real = adaptive.costs.calibrate
-        monkeypatch.setattr(adaptive.costs, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
-        costs = adaptive.cost_model(target, drafter)
+        real = pair_costs.calibrate
+        monkeypatch.setattr(pair_costs, "calibrate", lambda *a, **k: calls.append(1) or real(*a, **k))
+        costs = calibration.costs(target, drafter)
     assert len(calls) == 2 and costs.busy > BUSY_SHARE
-    assert not list((tmp_path / "adaptive").glob("costs-*.json"))
-    assert adaptive.cost_model(target, drafter) is costs  # within BUSY_RETRY_S: this one serves
+    assert not list((tmp_path / "calibration").glob("costs-*.json"))
+    assert calibration.costs(target, drafter) is costs  # within BUSY_RETRY_S: this one serves
     costs.created -= adaptive.costs.BUSY_RETRY_S + 1
     assert costs.expired()  # ... then the next request measures again
 
 
 def test_split_target_costs_measured_among_busy_ranks_do_not_expire(pair, tmp_path, monkeypatch):
     """Ranks that share cores see each other as other processes' work.  Costs all ranks
-    measured together (``agree.prepare_costs``) must not expire as a busy calibration does:
+    measured together (``calibration.prepare_split``) must not expire as a busy calibration does:
     one rank alone would then measure again, each pass waiting for ranks not running it."""
-    from dflash2_mlx.distributed import agree
-
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive.cost_models.clear()
+    store.live.clear()
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
     with busy_cores(monkeypatch):
-        agree.prepare_costs(target, drafter, mx.distributed.init())
-    costs = adaptive.cost_model(target, drafter)
+        calibration.prepare_split(target, drafter, mx.distributed.init())
+    costs = calibration.costs(target, drafter)
     costs.created -= adaptive.costs.BUSY_RETRY_S + 1  # minutes later
     assert not costs.expired()
-    monkeypatch.setattr(adaptive.costs, "calibrate", lambda *a, **k: pytest.fail("one rank measured alone"))
-    assert adaptive.cost_model(target, drafter) is costs
+    monkeypatch.setattr(pair_costs, "calibrate", lambda *a, **k: pytest.fail("one rank measured alone"))
+    assert calibration.costs(target, drafter) is costs
 
 
 def test_history_seeds_the_next_request(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
-    key = adaptive.pair_key(target, drafter, greedy=True)
-    assert key != adaptive.pair_key(target, drafter, greedy=False)
+    key = keys.acceptance(target, drafter, greedy=True)
+    assert key != keys.acceptance(target, drafter, greedy=False)
     name, weight = tree_flatten(drafter.parameters())[0]
     drafter.update(tree_unflatten([(name, weight + 0.01)]))  # other weights: another history
     try:
-        assert adaptive.pair_key(target, drafter, greedy=True) != key
+        assert keys.acceptance(target, drafter, greedy=True) != key
     finally:
         drafter.update(tree_unflatten([(name, weight)]))
-    assert adaptive.pair_key(target, drafter, greedy=True) == key
+    assert keys.acceptance(target, drafter, greedy=True) == key
     seen = Acceptance.empty(7)
     for _ in range(20):
         seen.record(8, 0)
-    adaptive.save_history(key, seen)
-    chosen = adaptive.policy(target, drafter, greedy=True, costs=CPU)
+    calibration.keep_acceptance(key, seen)
+    chosen = calibration.policy(target, drafter, greedy=True, costs=CPU)
     assert chosen.acceptance.rates()[0] < 0.2 and chosen.block_size(0) == 1 and chosen.fallback
     assert chosen.wait > 0  # a pair known to be weak here waits before its first probe
-    assert adaptive.policy(target, drafter, greedy=True, costs=CPU, history=False).block_size(0) > 1
+    assert calibration.policy(target, drafter, greedy=True, costs=CPU, history=False).block_size(0) > 1
 
 
 def test_history_folds_older_requests_at_half_weight():
@@ -648,18 +662,18 @@ def test_seeded_requests_use_the_history_only_when_greedy(pair, tmp_path, monkey
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
-    adaptive.cost_models[adaptive.cost_key(target, drafter)] = CostModel(CPU.target, CPU.drafter)
+    store.live[("costs", keys.costs(target, drafter))] = CostModel(CPU.target, CPU.drafter)
     weak = Acceptance.empty(7)
     for _ in range(20):
         weak.record(8, 0)
     for greedy in (True, False):
-        adaptive.save_history(adaptive.pair_key(target, drafter, greedy), weak)
+        calibration.keep_acceptance(keys.acceptance(target, drafter, greedy), weak)
     sizes = {}
     for temp in (0.0, 1.0):
         for r in d.stream_generate(model, tok, "abcab dcba", drafter, max_tokens=8, temp=temp, seed=1,
                                    lookup=False):
             sizes[temp] = r.block_sizes
-    adaptive.cost_models.clear()
+    store.live.clear()
     assert set(sizes[0.0]) == {1}  # the history says this drafter is weak here: plain
     assert max(sizes[1.0]) > 1  # no history: the prior says draft
 
@@ -719,43 +733,43 @@ def test_timing_is_kept_for_measured_costs_and_the_next_process(pair, tmp_path, 
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     model, tok, drafter = pair["qwen3"]
     target = attach(model, drafter)
-    key = adaptive.cost_key(target, drafter)
-    adaptive.cost_models[key] = measured = CostModel(CPU.target, CPU.drafter)
+    key = keys.costs(target, drafter)
+    store.live[("costs", key)] = measured = CostModel(CPU.target, CPU.drafter)
     try:
-        chosen = adaptive.policy(target, drafter)
+        chosen = calibration.policy(target, drafter)
         assert isinstance(chosen.costs, adaptive.Corrected)
-        assert chosen.costs.timing is adaptive.policy(target, drafter).costs.timing  # one per process
+        assert chosen.costs.timing is calibration.policy(target, drafter).costs.timing  # one per process
         # Given costs, or a request that starts from nothing earlier ones saw: as calibrated.
-        assert not isinstance(adaptive.policy(target, drafter, costs=CPU).costs, adaptive.Corrected)
-        assert not isinstance(adaptive.policy(target, drafter, history=False).costs, adaptive.Corrected)
+        assert not isinstance(calibration.policy(target, drafter, costs=CPU).costs, adaptive.Corrected)
+        assert not isinstance(calibration.policy(target, drafter, history=False).costs, adaptive.Corrected)
         list(d.stream_generate(model, tok, "abc dab", drafter, max_tokens=16))
-        observed = dict(adaptive.timing_for(key, measured).observed)
+        observed = dict(calibration.timing(key, measured).observed)
         assert observed and all(v > 0 for v in observed.values())
-        adaptive.timings.clear()  # a new process: the timing comes from disk
-        assert adaptive.policy(target, drafter).costs.timing.observed == pytest.approx(observed)
-        adaptive.timings.clear()  # ... unless it corrected another calibration
+        forget_timings()  # a new process: the timing comes from disk
+        assert calibration.policy(target, drafter).costs.timing.observed == pytest.approx(observed)
+        forget_timings()  # ... unless it corrected another calibration
         recalibrated = CostModel(CPU.target, CPU.drafter, created=measured.created + 1)
-        assert adaptive.timing_for(key, recalibrated).observed == {}
-        adaptive.timings.clear()
-        adaptive.timing_path(key).write_text("{not json")
-        assert adaptive.timing_for(key, measured).observed == {}
+        assert calibration.timing(key, recalibrated).observed == {}
+        forget_timings()
+        store.path("timing", key).write_text("{not json")
+        assert calibration.timing(key, measured).observed == {}
     finally:
-        adaptive.cost_models.clear()
-        adaptive.timings.clear()
+        store.live.clear()
+        forget_timings()
 
 
 def test_a_calibration_that_live_cycles_keep_disagreeing_with_is_measured_again(tmp_path, monkeypatch, capsys):
     """Cycles that keep costing 2x their prices for DISAGREE_CYCLES cycles in a row: the
     kept costs and timing are forgotten when the request ends, so the next one calibrates;
     a disagreement that comes and goes (the correction's business) keeps them."""
-    from dflash2_mlx.adaptive import store, timing as timing_module
+    from dflash2_mlx.adaptive import timing as timing_module
 
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     costs = CostModel(CPU.target, CPU.drafter)
     key = "k"
-    path = store.cache_dir() / f"costs-{key}.json"
-    store.write(path, costs.to_json())
-    adaptive.cost_models[key] = costs
+    path = store.path("costs", key)
+    store.write("costs", key, costs.to_json())
+    store.live[("costs", key)] = costs
     try:
         t = adaptive.Timing()
         t.record("draft", 4, 0.06, 0.06)  # a first pass: not counted
@@ -763,20 +777,20 @@ def test_a_calibration_that_live_cycles_keep_disagreeing_with_is_measured_again(
             # Now and then a cycle as priced: its kind's decayed ratio stays off anyway.
             t.record("draft", 4, 0.06 if i % 7 == 0 else 0.14, 0.06)
         assert t.disagrees()
-        adaptive.save_timing(key, costs, t)
-        assert not path.exists() and not adaptive.timing_path(key).exists()
-        assert key not in adaptive.cost_models
+        calibration.keep_timing(key, costs, t)
+        assert not path.exists() and not store.path("timing", key).exists()
+        assert ("costs", key) not in store.live
         assert "measuring them again at the next request" in capsys.readouterr().err
-        store.write(path, costs.to_json())
+        store.write("costs", key, costs.to_json())
         t = adaptive.Timing()
         for i in range(4 * timing_module.DISAGREE_CYCLES):  # bursts of load that pass
             t.record("draft", 4, 0.14 if (i // 20) % 2 else 0.06, 0.06)
         assert not t.disagrees()
-        adaptive.save_timing(key, costs, t)
-        assert path.exists() and adaptive.timing_path(key).exists()
+        calibration.keep_timing(key, costs, t)
+        assert path.exists() and store.path("timing", key).exists()
     finally:
-        adaptive.cost_models.clear()
-        adaptive.timings.clear()
+        store.live.clear()
+        forget_timings()
 
 
 # --- sampling stays exact -------------------------------------------------------------------------
@@ -815,7 +829,7 @@ def test_sampled_tokens_follow_target_distribution_under_adaptive(tmp_path, vers
 def refined(cost, rows):
     """The rows calibration measures for a machine whose pass over b rows costs cost(b): the
     initial ones, then the middles its refinement asks for (as ``calibrate`` runs it)."""
-    from dflash2_mlx.adaptive.costs import REFINE_ROUNDS, stepped_halves, uneven_gaps
+    from dflash2_mlx.calibration.measure import REFINE_ROUNDS, stepped_halves, uneven_gaps
 
     curve = {b: cost(b) for b in rows}
     gaps = uneven_gaps(curve)
@@ -830,7 +844,8 @@ def refined(cost, rows):
 def test_calibration_finds_a_step_between_the_rows_it_measures():
     """A cliff between 24 and 25 rows (a tile boundary no fixed grid names): the refinement
     brackets it exactly; an evenly rising curve gets one middle per gap at most."""
-    from dflash2_mlx.adaptive.costs import COPY_ROWS, LARGEST_ROWS, TREE_ROWS, interp
+    from dflash2_mlx.adaptive.costs import COPY_ROWS, interp
+    from dflash2_mlx.calibration.measure import LARGEST_ROWS, TREE_ROWS
 
     rows = [1, *range(2, 9), *COPY_ROWS, *TREE_ROWS, LARGEST_ROWS]
     cliff = lambda b: 1.0 + 0.01 * b + (2.0 if b > 24 else 0.0)
@@ -847,7 +862,7 @@ def test_calibration_keeps_a_machines_steps_and_clamps_noise():
     as the larger block); by more, a step of the machine's own, kept: the H200's curve, whose
     quantized matmul runs up to 7 rows one by one and tiles from 8, stays as measured."""
     from dflash2_mlx.adaptive import curves
-    from dflash2_mlx.adaptive.costs import STEP, steps_kept
+    from dflash2_mlx.calibration.measure import STEP, steps_kept
 
     measured = curves.load("h200-27b-4bit")["points"]
     h200 = {r: v for r, v in curves.relative("h200-27b-4bit").items() if r in measured}

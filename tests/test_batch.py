@@ -16,14 +16,15 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 import dflash2_mlx as d
-from dflash2_mlx import adaptive
+from dflash2_mlx import adaptive, calibration
+from dflash2_mlx.calibration import keys, store
 from dflash2_mlx.adaptive import CostModel, Timing, best_block
 from dflash2_mlx.batch import BatchCosts, BatchGenerator, batch_generate, prefill_groups
 from dflash2_mlx.batch import cache as batch_cache
 from dflash2_mlx.batch.cache import draft_hidden
 from dflash2_mlx.loop.draft_context import DraftContext
 from dflash2_mlx.request.sampling import SamplingParams
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import UnsupportedTargetError, attach
 from helpers import chi2_pvalue, exact_joint, params_of
 from helpers import cache_arrays, plain_tokens
@@ -445,21 +446,20 @@ def test_batch_timing_is_kept_for_the_next_process(pairs, tmp_path, monkeypatch)
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     model, tok, drafter = pairs["qwen3"]
     target = attach(model, drafter)
-    key = adaptive.cost_key(target, drafter)
-    adaptive.cost_models[key] = measured = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
+    key = keys.costs(target, drafter)
+    store.live[("costs", key)] = measured = CostModel({1: (1.0, 0.0), 8: (1.7, 0.0)}, {2: (0.2, 0.0), 8: (0.2, 0.0)})
     try:
         gen = BatchGenerator(model, drafter, block_size="auto")
         for text in ("abcab dcba", "dd cb"):
             gen.insert(tok.encode(text), max_tokens=24)
         run(gen)
         gen.close()
-        observed = dict(adaptive.timing_for(key, measured).observed)
+        observed = dict(calibration.timing(key, measured).observed)
         assert any(k.startswith("batch2-") for k in observed)
-        adaptive.timings.clear()  # a new process: from disk
-        assert adaptive.timing_for(key, measured).observed == pytest.approx(observed)
+        del store.live[("timing", key)]  # a new process: from disk
+        assert calibration.timing(key, measured).observed == pytest.approx(observed)
     finally:
-        adaptive.cost_models.clear()
-        adaptive.timings.clear()
+        store.live.clear()
 
 
 def test_adaptive_policy_sees_the_batch(pairs):
@@ -469,8 +469,8 @@ def test_adaptive_policy_sees_the_batch(pairs):
     model, tok, drafter = pairs["qwen3"]
     gpu = CostModel({1: (1.0, 0.0), 8: (1.0, 0.0)}, {2: (0.05, 0.0), 8: (0.05, 0.0)})
     costs = BatchCosts(gpu)
-    policy = adaptive.policy(attach(model, drafter), drafter, adaptive.AUTO, costs=costs,
-                             history=False)
+    policy = calibration.policy(attach(model, drafter), drafter, adaptive.AUTO, costs=costs,
+                                history=False)
     gen = BatchGenerator(model, drafter, block_size=policy)
     texts, limits = ["abcab dcba", "dd cb", "a"], [24, 12, 4]
     uids = [gen.insert(tok.encode(t), max_tokens=n) for t, n in zip(texts, limits)]

@@ -17,7 +17,7 @@ from dflash2_mlx.cli.main import app
 from dflash2_mlx.eval import bench as Bm
 from dflash2_mlx.eval.profile import Timed, timed_cycles
 from dflash2_mlx.eval.prompts import sample_prompts
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.model.checkpoint import load_drafter
 from tiny_models import make_drafter, make_target

@@ -9,10 +9,10 @@ import mlx_lm
 import pytest
 
 import dflash2_mlx as d
-from dflash2_mlx.loop.exactness import exactness_of
 from dflash2_mlx.responses import stats_line
-from dflash2_mlx.loop import exactness
-from dflash2_mlx.loop.cycle import prefill, speculative_generate_step
+from dflash2_mlx.calibration import exactness, keys, store
+from dflash2_mlx.generate import speculative_generate_step
+from dflash2_mlx.loop.cycle import prefill
 from dflash2_mlx.loop.target import attach
 from helpers import plain_tokens
 from tiny_models import abcd_pair, make_drafter, make_target
@@ -95,7 +95,7 @@ def test_verdict_is_measured_once_and_kept(pair, tmp_path, monkeypatch):
     first = exactness.verdict(model)
     again = exactness.verdict(model)
     assert calls == [1] and again == first == exactness.known(model)
-    assert list((tmp_path / "adaptive").glob("exact-*.json"))
+    assert list((tmp_path / "calibration").glob("exactness-*.json"))
 
 
 @pytest.mark.parametrize("mode", ["pass", "steps"])
@@ -149,8 +149,7 @@ def test_exact_costs_nothing_where_passes_are_row_exact(pair, tmp_path, monkeypa
     """A kept verdict of "exact": exact=True keeps the one-pass verify (and says "exact")."""
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     root, model, tok, drafter = pair
-    exactness.store.write(exactness.store.cache_dir() / f"exact-{exactness._key(model)}.json",
-                          exactness.Verdict(exact=True, rows=[2]).to_json())
+    store.write("exactness", keys.exactness(model), exactness.Verdict(exact=True, rows=[2]).to_json())
     passes = []
     target_call = type(attach(model, drafter)).one_row_steps
     monkeypatch.setattr(type(attach(model, drafter)), "one_row_steps",
@@ -195,7 +194,7 @@ def test_doctor_reports_kept_verdicts_probes_with_exact_and_recalibrates(pair, t
     # The line names the target, its weights, the device and the BLAS it holds for.
     line = f"verify rows (qwen3 64x4, float32 weights, {mx.default_device()}, {exactness.blas_name()}; rows 2..16)"
     assert line in out, out
-    assert len(list((tmp_path / "adaptive").glob("exact-*.json"))) == 1
+    assert len(list((tmp_path / "calibration").glob("exactness-*.json"))) == 1
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env).stdout
     assert line in out and "not probed" not in out
     # Another setup of this machine (here: another BLAS thread count) has no verdict yet: plain
@@ -207,10 +206,10 @@ def test_doctor_reports_kept_verdicts_probes_with_exact_and_recalibrates(pair, t
     out = subprocess.run(cmd + ["--verbose"], capture_output=True, text=True, timeout=240, env=other).stdout
     assert line in out
     for name in ("costs-a.json", "timing-a.json", "acceptance-a.json"):
-        (tmp_path / "adaptive" / name).write_text("{}")
+        (tmp_path / "calibration" / name).write_text("{}")
     out = subprocess.run(cmd + ["--recalibrate"], capture_output=True, text=True, timeout=240, env=env).stdout
-    assert "recalibrate: 2 kept cost and timing file(s) removed" in out
-    assert sorted(p.name for p in (tmp_path / "adaptive").glob("*-a.json")) == ["acceptance-a.json"]
+    assert "recalibrate: 2 kept cost and timing record(s) removed" in out
+    assert sorted(p.name for p in (tmp_path / "calibration").glob("*-a.json")) == ["acceptance-a.json"]
 
 
 def test_one_row_verify_prices_a_pass_as_its_rows():
@@ -259,18 +258,16 @@ def test_a_first_use_probes_at_the_end_of_its_reply_not_before_its_first_token(p
     """A pair's first use measures its costs (coarse) before the first token and leaves the
     probe to the end of that reply, whose last response tells the verdict; the next reply
     neither measures nor probes."""
-    from dflash2_mlx import adaptive
-
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive.cost_models.clear()
+    store.live.clear()
     _, model, tok, drafter = pair
-    verdicts = lambda: list((tmp_path / "adaptive").glob("exact-*.json"))
+    verdicts = lambda: list((tmp_path / "calibration").glob("exactness-*.json"))
     stream = d.stream_generate(model, tok, "abcab", drafter, max_tokens=6, block_size="auto")
     first = next(stream)
-    assert list((tmp_path / "adaptive").glob("costs-*.json")) and not verdicts()
+    assert list((tmp_path / "calibration").glob("costs-*.json")) and not verdicts()
     assert first.exactness.startswith(exactness.NOT_PROBED)
     last = list(stream)[-1]
-    assert len(verdicts()) == 1 and last.exactness == exactness_of(model, False)[0]
+    assert len(verdicts()) == 1 and last.exactness == exactness.exactness_of(model, False)[0]
     assert not last.exactness.startswith(exactness.NOT_PROBED)
     before = verdicts()[0].stat().st_mtime_ns
     again = list(d.stream_generate(model, tok, "abcab", drafter, max_tokens=6, block_size="auto"))[-1]
@@ -342,7 +339,7 @@ def test_a_family_the_pass_cannot_take_apart_falls_back_to_one_row_steps(tmp_pat
     assert not v.exact_pass and v.exact_pass_note
     monkeypatch.setattr(exactness, "verdict", lambda m: v)
     v.exact = False
-    assert exactness_of(model, True)[1] == "steps"
+    assert exactness.exactness_of(model, True)[1] == "steps"
 
 
 def test_a_first_calibration_probes_and_the_first_exact_run_tries_the_pass(tmp_path, monkeypatch):
@@ -354,9 +351,7 @@ def test_a_first_calibration_probes_and_the_first_exact_run_tries_the_pass(tmp_p
     model, tok, drafter = d.load(str(tmp_path / "t"), str(tmp_path / "d"))
     split_sums(model)
     assert exactness.known(model) is None
-    from dflash2_mlx.adaptive import costs
-
-    monkeypatch.setattr(costs, "cost_models", {})  # a first use in this process too
+    monkeypatch.setattr(store, "live", {})  # a first use in this process too
     out = list(d.stream_generate(model, tok, tok.encode("abcab"), drafter, max_tokens=8, block_size="auto"))
     first = exactness.known(model)
     assert first is not None and not first.exact and first.exact_pass is None

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_mlx as d
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.model.checkpoint import PairError, save_drafter
 from dflash2_mlx.model.config import DrafterConfig

@@ -21,7 +21,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 import dflash2_mlx as d
 from dflash2_mlx.request.sampling import (SamplingParams, accept, log_softmax, probs, verify_greedy,
                                        verify_lazy, verify_sampled)
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from helpers import ref_probs, exact_joint, chi2_pvalue, params_of
 from tiny_models import make_drafter, make_target

@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import make_logits_processors
 import dflash2_mlx as d
 from dflash2_mlx.adaptive import COPY_LARGEST
 from dflash2_mlx.loop.draft_context import chat_contexts
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.request.sampling import SamplingParams, accept_greedy, clear_winners, log_softmax, verify_greedy
 from helpers import cache_arrays, dflash_tokens, plain_tokens

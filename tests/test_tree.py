@@ -10,9 +10,9 @@ from mlx_lm.sample_utils import make_logits_processors
 from scipy import stats as sstats
 
 import dflash2_mlx as d
-from dflash2_mlx import adaptive
+from dflash2_mlx import adaptive, calibration
 from dflash2_mlx import tree as trees
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.request.sampling import SamplingParams, log_softmax, probs
 from dflash2_mlx.tree.grow import grow, log_softmax as lattice_log_softmax
@@ -400,14 +400,15 @@ def test_auto_budget_follows_the_cost_curve():
 
 
 def test_doctor_prints_the_cost_curves(tmp_path, monkeypatch):
-    from dflash2_mlx.adaptive import CostModel, store
+    from dflash2_mlx.adaptive import CostModel
+    from dflash2_mlx.calibration import store
     from dflash2_mlx.cli.doctor_report import costs_report
 
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     lines = []
     costs_report(echo=lines.append)
     assert "not measured yet" in lines[0]
-    store.write(store.cache_dir() / "costs-0123456789abcdef.json",
+    store.write("costs", "0123456789abcdef",
                 CostModel({1: (0.05, 0.0), 5: (0.1, 0.0), 33: (0.2, 0.0)}, {2: (0.01, 0.0)}).to_json())
     lines.clear()
     costs_report(echo=lines.append)
@@ -421,14 +422,14 @@ def test_a_cost_file_is_exported_loaded_and_checked_against_the_pair(pairs, tmp_
     """Another machine's curve replayed: with the H200-like file a block of 5 tries trees of
     8, 16 and 32 here (each priced within WORTH chains there); a file of another pair is a
     clear error."""
-    from dflash2_mlx import adaptive
+    from dflash2_mlx import calibration
     from dflash2_mlx.adaptive import curves
 
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
     model, tok, drafters = pairs["qwen3"]
     target = attach(model, drafters[2])
     path = tmp_path / "costs.json"
-    adaptive.export_costs(target, drafters[2], path)
+    calibration.export_costs(target, drafters[2], path)
     data = __import__("json").loads(path.read_text())
     assert data["pair"] and data["machine"]["platform"]
     h200 = curves.cost_model("h200-27b-4bit")  # this pair, priced as the H200 prices passes
@@ -526,11 +527,11 @@ def test_auto_trees_under_the_adaptive_block_size(pairs, tmp_path, monkeypatch):
     """``--verify-mode tree`` as a user runs it: tree budget and block size both "auto", no
     cost curve given (the policy's, corrected by live timings, is there to be found)."""
     monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
-    adaptive.cost_models.clear()
+    calibration.store.live.clear()
     model, tok, drafters = pairs["qwen3"]
     prompt = tok.encode("abcab dcba")
     target = attach(model, drafters[2])
-    policy = adaptive.policy(target, drafters[2], "auto", True)
+    policy = calibration.policy(target, drafters[2], "auto", True)
     assert isinstance(policy.costs, adaptive.Corrected)
     out, stats = tree_tokens(model, drafters[2], prompt, MAX_TOKENS, "auto", block_size=policy)
     assert out == plain_tokens(model, prompt, MAX_TOKENS)

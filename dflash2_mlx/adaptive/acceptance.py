@@ -1,16 +1,9 @@
 """Acceptance: per-position conditional acceptance rates of the request at hand, decayed so
-they follow it, seeded from this pair's history on this machine (kept on disk, keyed by
-``pair_key``), and the tokens a cycle is expected to emit with them."""
+they follow it, seeded from this pair's history on this machine (kept by the calibration
+service), and the tokens a cycle is expected to emit with them."""
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import List, Optional
-
-import mlx.core as mx
-from mlx.utils import tree_flatten
-
-from . import store
-from .costs import cost_key
 
 PRIOR_RATE = 0.5  # acceptance assumed for a pair never seen on this machine
 # ... and for a request's copies: where the last tokens repeat, the built-in target's greedy
@@ -83,31 +76,6 @@ def expected_tokens(rates: List[float], b: int) -> float:
     return total
 
 
-def pair_key(target, drafter, greedy: bool, cost: Optional[str] = None) -> str:
-    """The pair's weights themselves (acceptance depends on them), and the sampling kind
-    (``cost``: the pair's ``cost_key``, when the caller has it).  Weights are probed by a
-    sum over ~4096 evenly spaced entries of each of the first four (summing every weight
-    would cost each request a pass over the whole embedding)."""
-    def probe(m):
-        return [float(mx.sum(v.reshape(-1)[:: max(1, v.size // 4096)].astype(mx.float32)))
-                for _, v in tree_flatten(m.parameters())[:4]]
-    return store.digest({"cost": cost or cost_key(target, drafter), "target": probe(target.model),
-                         "drafter": probe(drafter), "greedy": greedy})
-
-
-def history_path(key: str) -> Path:
-    return store.cache_dir() / f"acceptance-{key}.json"
-
-
-def load_history(key: str, positions: int) -> Optional[Acceptance]:
-    data = store.read(history_path(key))
-    try:
-        hist = Acceptance(list(data["reached"]), list(data["accepted"]))
-    except (TypeError, KeyError):
-        return None
-    return hist if len(hist.reached) == positions and hist.reached[0] > 0 else None
-
-
 def fold(old: Optional[Acceptance], new: Acceptance, weight: float = 0.5) -> Optional[Acceptance]:
     """A pair's history with one more request's acceptance (older requests weigh less)."""
     if not any(new.reached):
@@ -115,10 +83,3 @@ def fold(old: Optional[Acceptance], new: Acceptance, weight: float = 0.5) -> Opt
     old = old or Acceptance.empty(len(new.reached))
     return Acceptance([weight * o + n for o, n in zip(old.reached, new.reached)],
                       [weight * o + n for o, n in zip(old.accepted, new.accepted)])
-
-
-def save_history(key: str, acceptance: Acceptance):
-    """Fold a request's acceptance into the pair's history on disk."""
-    if any(acceptance.reached):
-        hist = fold(load_history(key, len(acceptance.reached)), acceptance)
-        store.write(history_path(key), {"reached": hist.reached, "accepted": hist.accepted})

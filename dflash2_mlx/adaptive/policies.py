@@ -1,8 +1,9 @@
 """The block-size policies a decoding loop asks each cycle: ``Fixed`` (``--block-size N``)
 and ``Adaptive`` ("auto": the block with the most expected tokens per second, from the cost
 model and the live acceptance), what the loop asks of them (``Policy``, ``Choice``), and
-the ``policy(...)`` that builds one for a request from its block size (1..the drafter's
-trained size, or "auto": ``request.plan.check_block_size``).
+``starting``, an adaptive policy from its prices and history (the calibration service's
+``policy(...)`` builds a request's from its block size: 1..the drafter's trained size, or
+"auto", ``request.plan.check_block_size``).
 
 The choice depends only on the past, so every cycle stays lossless whatever it picks."""
 
@@ -10,11 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, runtime_checkable
 
-from ..request.plan import AUTO
-from .acceptance import (PRIOR_WEIGHT, SAMPLED_PRIOR_WEIGHT, SEED_WEIGHT, Acceptance, load_history,
-                         pair_key, save_history, expected_tokens)
-from .costs import COPY_LARGEST, CostModel, cost_key, cost_model
-from .timing import Corrected, Timing, save_timing, timing_for
+from .acceptance import PRIOR_WEIGHT, SAMPLED_PRIOR_WEIGHT, SEED_WEIGHT, Acceptance, expected_tokens
+from .costs import CostModel
+from .timing import Corrected, Timing
 
 PROBE_FIRST, PROBE_MAX = 16, 64  # plain steps before the first probe and, backing off, at most
 PROBE_BUDGET = 0.015  # a failed probe's extra cost, spread over the wait, is at most this share
@@ -207,32 +206,6 @@ class Adaptive:
         self.acceptance.record_first(chance)
 
 
-def policy(target, drafter, block_size=AUTO, greedy: bool = True,
-           costs: Optional[CostModel] = None, history: bool = True, largest: Optional[int] = None,
-           priced: Optional[Callable] = None):
-    """The block-size policy of one request: ``Fixed`` for a number, ``Adaptive`` for
-    "auto" choosing up to ``largest`` (default: the drafter's trained block size).  Unless
-    ``costs`` are given they are measured or cached, and corrected by the cycles this pair
-    really took on this machine (``Timing``), priced by ``priced(costs, timing)`` (default
-    ``Corrected``; a batch's: ``batch.BatchCosts``); with ``history`` False a request starts from
-    nothing earlier requests saw (neither the pair's acceptance history nor its timing: a
-    seeded sampled request's text depends on its block sizes, which then depend only on the
-    cost file and the seed)."""
-    if block_size != AUTO:
-        return Fixed(block_size)
-    positions = drafter.config.block_size - 1
-    ckey = cost_key(target, drafter) if history or costs is None else None
-    key = pair_key(target, drafter, greedy, ckey) if history else None
-    hist = load_history(key, positions) if key else None
-    timing_key = ckey if costs is None and history else None
-    costs = costs or cost_model(target, drafter, ckey)
-    chosen = starting(costs, largest or positions + 1, positions, hist, greedy,
-                      copy_largest=largest or max(positions + 1, COPY_LARGEST),
-                      timing=timing_for(timing_key, costs) if timing_key else None, priced=priced)
-    chosen.history_key, chosen.timing_key = key, timing_key
-    return chosen
-
-
 def starting(costs: CostModel, largest: int, positions: int, hist: Optional[Acceptance],
              greedy: bool = True, shadow_budget: float = SHADOW_BUDGET,
              copy_largest: Optional[int] = None, timing: Optional[Timing] = None,
@@ -243,12 +216,3 @@ def starting(costs: CostModel, largest: int, positions: int, hist: Optional[Acce
         positions, PRIOR_WEIGHT if greedy else SAMPLED_PRIOR_WEIGHT)
     return Adaptive(costs, largest, start, seeded=hist is not None, shadow_budget=shadow_budget,
                     copy_largest=copy_largest, timing=timing, priced=priced)
-
-
-def remember(chosen):
-    """Save an adaptive request's acceptance into its pair's history, and the timing
-    (``chosen``: any policy, or None)."""
-    if getattr(chosen, "history_key", None):
-        save_history(chosen.history_key, chosen.acceptance)
-    if getattr(chosen, "timing_key", None):
-        save_timing(chosen.timing_key, chosen.costs.costs, chosen.costs.timing)

@@ -1,15 +1,12 @@
 """What the loop's cycles really take against what the cost model priced them at, per kind
 of cycle and block size (``Timing``), and the cost model priced through it (``Corrected``),
 so a calibration that landed badly on a busy machine is corrected as the loop runs.  A
-process keeps one ``Timing`` per cost model, saved for the next process (``timing_for``,
-``save_timing``)."""
+process keeps one ``Timing`` per cost model, kept for the next process by the calibration
+service (``calibration/priced.py``: ``timing``, ``keep_timing``)."""
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
-from . import store
 from .costs import CostModel
 
 # Each observed cycle counts against its prediction; an unseen block size falls back on its
@@ -17,7 +14,6 @@ from .costs import CostModel
 TIMING_PRIOR = 3.0
 TIMING_DECAY = 0.9  # evidence kept per cycle of the same key: follows the machine's load
 TIMING_CLIP = 3.0  # one cycle counts as at most this many times its prediction (a stall)
-TIMING_FORMAT = 2  # bumped when the loop times cycles differently: older timing files are dropped
 # A calibration is measured again (at the next request) once a kind's live cycles have
 # kept costing more than DISAGREE times, or less than 1 / DISAGREE times, its prices for
 # DISAGREE_CYCLES cycles in a row: the machine is not the one that was measured (another
@@ -96,45 +92,3 @@ class Corrected:
     def observe(self, b: int, context: int, seconds: float, copy: bool = False):
         raw = (self.costs.verify if copy else self.costs.cycle)(b, context)
         self.timing.record(kind(b, copy), b, seconds, raw)
-
-
-timings: Dict[str, Tuple[float, Timing]] = {}  # this process's, by cost key: (the cost model's creation, timing)
-
-
-def timing_path(key: str) -> Path:
-    return store.cache_dir() / f"timing-{key}.json"
-
-
-def timing_for(key: str, costs: CostModel) -> Timing:
-    """This process's ``Timing`` of the cost model ``costs`` (shared by its requests): at
-    first the one saved by an earlier process, unless it corrected another calibration."""
-    created, timing = timings.get(key, (None, None))
-    if created != costs.created:
-        data = store.read(timing_path(key)) or {}
-        try:
-            if data.get("created") != costs.created or data.get("format") != TIMING_FORMAT:
-                raise ValueError("another calibration, or timed another way")
-            timing = Timing({str(k): float(v) for k, v in data["observed"].items()},
-                            {str(k): float(v) for k, v in data["predicted"].items()})
-        except (AttributeError, KeyError, TypeError, ValueError):
-            timing = Timing()
-        timings[key] = (costs.created, timing)
-    return timing
-
-
-def save_timing(key: str, costs: CostModel, timing: Timing):
-    """Keep ``timing`` (of the cost model ``costs``) for the next process; or, where live
-    cycles keep disagreeing with the calibration, forget both so the next request measures
-    the machine again."""
-    if timing.disagrees():
-        from .costs import cost_models
-
-        print(f"dflash2-mlx: live cycles kept costing {timing.observed_ratio():.2f}x what the pass costs measured "
-              f"at first use said: measuring them again at the next request", file=sys.stderr, flush=True)
-        for path in (store.cache_dir() / f"costs-{key}.json", timing_path(key)):
-            path.unlink(missing_ok=True)
-        cost_models.pop(key, None)
-        timings.pop(key, None)
-        return
-    store.write(timing_path(key), {"created": costs.created, "format": TIMING_FORMAT,
-                                   "observed": timing.observed, "predicted": timing.predicted})

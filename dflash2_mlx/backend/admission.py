@@ -81,6 +81,8 @@ class Request:
         self.chat = chat
         self.continues = continues  # its reply continues a prefill (responses.detokenizer_after)
         self.generation: Optional[Generation] = None  # what it runs with (set when its turn comes)
+        self.plan = None  # how it is decoded, a ``request.plan.Plan`` (set with ``generation``)
+        self.settings = None  # the model's settings both were made under
         self.aborted = threading.Event()
         self.finished = False
         self.started = False  # its stream has been iterated

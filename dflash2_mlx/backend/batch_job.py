@@ -20,10 +20,11 @@ from ..batch.cache import batch_layers
 from ..responses import detokenizer_after
 from ..loop.cycle import CycleStats
 from ..loop.target import UnsupportedTargetError, attach
+from ..request.plan import Plan
 from .admission import DONE, Request
+from .options import decoding_plan
 from .prefix_cache import PREFILL_CHUNK_SECONDS, Start, recurrent, recurrent_state, windowed
 from .reply import Reply
-from .settings import ModelSettings
 from .solo import Carry, solo_job
 from .wire import Chunk
 
@@ -40,14 +41,14 @@ def batchable(model, drafter) -> bool:
         return False
 
 
-def block_policy(s: ModelSettings, model, drafter):
-    """The batch's block size: fixed, "auto", or (verify mode "adaptive" with a block
-    size) the adaptive policy up to it, as ``stream_generate`` chooses for one stream."""
-    mode = s.verify_mode(0)
-    if mode == "dflash" and s.dflash_block_size is not None:
-        return s.dflash_block_size
-    if mode == "adaptive" and s.dflash_block_size is not None:
-        return batch_policy(attach(model, drafter), drafter, s.dflash_block_size)
+def block_policy(plan: Plan, model, drafter):
+    """The batch's block size, from the settings' plan: a chain's fixed size, or "auto" (a
+    verify mode of "adaptive" with a block size: the adaptive policy up to it, as
+    ``stream_generate`` chooses for one stream); a tree's requests run chains of "auto" here."""
+    if plan.verify == "chain" and not plan.auto:
+        return plan.block_size
+    if plan.verify == "chain" and plan.largest is not None:
+        return batch_policy(attach(model, drafter), drafter, plan.largest)
     return "auto"
 
 
@@ -146,15 +147,14 @@ class Batching:
 
     def takes(self, request: Request) -> bool:
         """Whether the request joins the batch (see the engine's docstring for who does not)."""
-        e, s = self.engine, self.engine.settings
-        mode = s.verify_mode(len(request.ids))
-        if not e.batchable or e.max_running() < 2 or mode == "off":
+        e, plan = self.engine, request.plan
+        if not e.batchable or e.max_running() < 2 or plan is None or plan.verify == "off":
             return False
-        if request.options.scoring or s.dflash_exact:  # scoring, and exact verify rows: solo
+        if request.options.scoring or plan.exact:  # scoring, and exact verify rows: solo
             return False
         # A seeded sampled request gets its single-stream text: in the batch only where the
         # batch drafts and copies exactly as its single stream would (a fixed block size).
-        fixed = mode == "dflash" and s.dflash_block_size is not None
+        fixed = plan.verify == "chain" and not plan.auto
         return fixed or not request.generation.seeded_sampled
 
     def join(self, request: Request, push) -> Future:
@@ -244,10 +244,11 @@ class Batching:
             yield
 
     def _generator(self) -> BatchGenerator:
-        e, s = self.engine, self.engine.settings
-        return BatchGenerator(e.model, e.drafter, block_size=block_policy(s, e.model, e.drafter),
-                              draft_window=s.draft_window, draft_sink=s.draft_sink,
-                              return_caches=True, lookup=s.dflash_copies)
+        e = self.engine
+        plan = decoding_plan(e.settings, e.drafter)  # the settings' (its requests' own: ``_enter``)
+        return BatchGenerator(e.model, e.drafter, block_size=block_policy(plan, e.model, e.drafter),
+                              draft_window=plan.draft_window, draft_sink=plan.draft_sink,
+                              return_caches=True, lookup=plan.lookup)
 
     def _insert(self, gen, joined: Dict[int, Joined], reading: list, request: Request, push,
                 carry: Optional[Carry] = None):
@@ -331,12 +332,12 @@ class Batching:
 
     def _enter(self, gen, joined: Dict[int, Joined], request: Request, push, carry: Optional[Carry],
                ids: List[int], start):
-        e, g = self.engine, request.generation
+        e, plan = self.engine, request.plan
         try:
             uid = gen.insert(
-                ids, max_tokens=g.max_tokens - (carry.n if carry else 0), params=g.sampling,
-                logits_processors=g.logits_processors(), stop_tokens=e.tokenizer.eos_token_ids,
-                seed=g.seed, prompt_cache=start.cache if start.tokens else None,
+                ids, max_tokens=plan.max_tokens - (carry.n if carry else 0), params=plan.params,
+                logits_processors=plan.logits_processors, stop_tokens=e.tokenizer.eos_token_ids,
+                seed=plan.seed, prompt_cache=start.cache if start.tokens else None,
                 draft_context=start.context, cached_tokens=start.tokens)
         except Exception as ex:
             self._refuse(request, push, "error", ex)

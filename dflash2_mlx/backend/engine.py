@@ -34,13 +34,13 @@ import mlx.core as mx
 
 from ..adaptive import check_block_size
 from ..generate import load
-from ..loop import exactness
+from ..calibration import exactness
 from ..model.checkpoint import resolve
 from ..request.prompt import TemplateVariableError, chat_ids
 from . import follow
 from .admission import Admission, Request, in_event_loop
 from .batch_job import Batching, batchable
-from .options import RequestOptions, generation, sampling_params
+from .options import RequestOptions, decoding_plan, generation, sampling_params
 from .prefix_cache import PrefixCache
 from .settings import ModelSettings, drafter_name, first_set
 from .solo import solo_job
@@ -317,12 +317,21 @@ class Engine:
         weakref.finalize(chunks, self.admission.drop_unstarted, request)
         return chunks
 
+    def settle(self, request: Request):
+        """What the request runs with, fixed when its turn comes: its options under the
+        settings of the moment (``generation``), and the one ``Plan`` it is decoded by (none
+        for a prompt only scored: it decodes nothing)."""
+        s = request.settings = self.settings  # the request's, whatever later edits bring
+        g = request.generation = generation(request.options, s, self.default_max_tokens, self.tokenizer,
+                                            self.vocab_size)
+        request.plan = None if g.max_tokens == 0 else decoding_plan(s, self.drafter, len(request.ids), g,
+                                                                    request.continues)
+
     def _begin(self, request: Request, push) -> Future:
         """The request's turn has come: it joins the batch or runs as its own stream."""
         self._check_running()
         self.last_used = time.monotonic()
-        request.generation = generation(request.options, self.settings, self.default_max_tokens,
-                                        self.tokenizer, self.vocab_size)
+        self.settle(request)
         if self.batching.takes(request):
             return self.batching.join(request, push)
         return solo_job(self, request, push)

@@ -111,6 +111,7 @@ class Leader(Lockstep):
         if g.sampling.temp > 0 and g.seed is None:  # the followers must draw what rank 0 draws
             seed = random.getrandbits(63)
             request.options, request.generation = replace(request.options, seed=seed), replace(g, seed=seed)
+            request.plan = request.plan and replace(request.plan, seed=seed)
         self.exchange({"op": "run", "model": engine.model_id, "ids": request.ids,
                        "options": asdict(request.options), "tools": request.tools, "chat": request.chat,
                        "settings": engine.settings.to_dict()})
@@ -133,7 +134,7 @@ def follow(lockstep: Follower, make_engine: Callable) -> int:
     """The follower's loop until rank 0 stops (0) or is gone (1). ``make_engine(model_id,
     path, settings)``: an engine built as rank 0's pool builds it."""
     from .admission import Request
-    from .options import RequestOptions, generation
+    from .options import RequestOptions
     from .settings import ModelSettings
     from .solo import solo_job
     from .worker import worker
@@ -155,8 +156,7 @@ def follow(lockstep: Follower, make_engine: Callable) -> int:
                 engine = engines[msg["model"]]
                 engine.update_settings(ModelSettings.from_dict(msg["settings"]))
                 request = Request("follow", msg["ids"], RequestOptions(**msg["options"]), msg["tools"], msg["chat"])
-                request.generation = generation(request.options, engine.settings, engine.default_max_tokens,
-                                                engine.tokenizer, engine.vocab_size)
+                engine.settle(request)
                 solo_job(engine, request, _discard).result()
     except RankLost as e:
         print(f"dflash2-mlx serve (rank {lockstep.rank}): {e}", file=sys.stderr, flush=True)

@@ -4,12 +4,14 @@ is made (so the caller learns which option is wrong); ``Generation`` is what it 
 each option its own, else the model's setting, else the default."""
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Dict, Optional, Sequence, Union
 
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..request.arguments import ArgumentError, check_all, real
+from ..request.modes import verify_kind
+from ..request.plan import Plan
 from ..request.sampling import SamplingParams, xtc_special_tokens
 from .settings import ModelSettings, first_set
 from .wire import InvalidOption
@@ -184,3 +186,17 @@ def generation(o: RequestOptions, s: ModelSettings, default_max_tokens: int, tok
     """What the request runs with under the settings ``s``."""
     return Generation(sampling=sampling_params(o, s, tokenizer, vocab_size), penalties=penalties(o, s),
                       max_tokens=first_set(o.max_tokens, s.max_tokens, default_max_tokens), seed=o.seed)
+
+
+def decoding_plan(s: ModelSettings, drafter, prompt_tokens: int = 0, g: Optional[Generation] = None,
+                  continues: bool = False) -> Plan:
+    """How a request of ``prompt_tokens`` is decoded under the settings ``s``, with its own
+    sampling, limit and seed (``g``; without it, the settings' decoding alone, as a batch's
+    block policy reads it): one ``Plan``, as ``stream_generate`` makes one of its arguments."""
+    mode = s.verify_mode(prompt_tokens)
+    asked = {} if g is None else dict(max_tokens=g.max_tokens, seed=g.seed, logits_processors=g.logits_processors(),
+                                       **asdict(g.sampling))
+    return Plan.of(drafter, verify_mode=mode, block_size=s.dflash_block_size,
+                   tree_budget=(s.dflash_tree_budget or "auto") if verify_kind(mode) == "tree" else None,
+                   exact=s.dflash_exact, lookup=s.dflash_copies, continues=continues, draft_window=s.draft_window,
+                   draft_sink=s.draft_sink, **asked)

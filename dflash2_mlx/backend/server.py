@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..loop import exactness
+from ..calibration import exactness
 from ..model.checkpoint import resolved_here
 from . import anthropic, follow, ollama, openapi, responses
 from .http import engine_for, error_response, key_matches, mapped_errors, parse, unknown_model, until_disconnect
@@ -247,7 +247,7 @@ def _model_card(pool: EnginePool, model_id: str) -> dict:
     except SettingsError as e:
         card["dflash"] = {"error": str(e)}
         return card
-    # Whether greedy replies are plain decoding's here (loop/exactness.py), once measured (by
+    # Whether greedy replies are plain decoding's here (calibration/exactness.py), once measured (by
     # any surface: a model not loaded yet is named by the files it loads from).
     engine = pool.engines.get(model_id)
     if engine is not None and engine.model is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..request.modes import VERIFY_MODES, verify_kind
+from ..request.modes import MAX_BUDGET, VERIFY_MODES, verify_kind
 
 SETTINGS_VERSION = 1
 SETTINGS_ENV = "DFLASH2_MLX_SETTINGS"
@@ -71,8 +71,8 @@ FIELDS = {
     "dflash_draft_quant_group_size": (lambda v: _int(v, choices=(32, 64, 128)), "32, 64 or 128"),
     "dflash_block_size": (lambda v: _int(v, lo=1), "an integer >= 1"),
     "dflash_verify_mode": (lambda v: v in VERIFY_MODES, " or ".join(repr(m) for m in VERIFY_MODES)),
-    "dflash_tree_budget": (lambda v: v == "auto" or _int(v, lo=1, hi=64),
-                           "'auto' or an integer in 1..64 (drafted nodes per tree, verify mode 'tree')"),
+    "dflash_tree_budget": (lambda v: v == "auto" or _int(v, lo=1, hi=MAX_BUDGET),
+                           f"'auto' or an integer in 1..{MAX_BUDGET} (drafted nodes per tree, verify mode 'tree')"),
     "dflash_max_ctx": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = no limit)"),
     "dflash_draft_window": (lambda v: _int(v, lo=0), "an integer >= 0 (0 = the whole context)"),
     "dflash_copies": (_bool, "true or false"),

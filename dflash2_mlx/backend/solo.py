@@ -6,13 +6,14 @@ its caches through the prefix cache, its text state and counts in a ``Carry``.""
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from typing import List, Optional
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..generate import stream_generate
+from ..generate import stream_plan
 from ..request.modes import verify_kind
+from ..request.plan import Reuse
 from ..responses import tree_report
 from ..loop.random_keys import RandomStream, fresh_key
 from ..loop.scoring import prompt_logprobs
@@ -71,7 +72,8 @@ class SoloStream:
 
     def __init__(self, engine, request: Request, push, solo: bool):
         self.engine, self.request, self.push, self.solo = engine, request, push, solo
-        self.settings = engine.settings  # the settings of the moment, for the whole request
+        # The settings its plan was made under (its turn's), for the whole request.
+        self.settings = request.settings or engine.settings
         self.n_prompt = len(request.ids)
         self.began = self.first = None
         self.last, self.finish, self.n = None, None, 0  # its latest response, finish, tokens
@@ -170,15 +172,10 @@ class SoloStream:
 
     def _stream(self):
         """Its token generator, from the start's caches."""
-        e, s, request, g = self.engine, self.settings, self.request, self.request.generation
-        return stream_generate(
-            e.model, e.tokenizer, request.ids, e.drafter, max_tokens=g.max_tokens, **asdict(g.sampling),
-            logits_processors=g.logits_processors(), block_size=s.dflash_block_size,
-            verify_mode=self.mode, seed=g.seed, draft_window=s.draft_window, draft_sink=s.draft_sink,
-            prompt_cache=self.start.cache, draft_context=self.start.context,
-            cached_tokens=self.start.tokens, lookup=s.dflash_copies, continues=request.continues,
-            exact=s.dflash_exact,
-            tree_budget=(s.dflash_tree_budget or "auto") if verify_kind(self.mode) == "tree" else None)
+        e, request = self.engine, self.request
+        plan = request.plan if self.mode != "off" else replace(request.plan, verify="off")  # a scored prompt's
+        return stream_plan(e.model, e.tokenizer, request.ids, e.drafter, plan,
+                           Reuse(self.start.cache, self.start.context, self.start.tokens))
 
     def _relay(self, gen):
         """Each token through the reply into Chunks, a step each, until it finishes, is

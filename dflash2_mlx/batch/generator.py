@@ -7,7 +7,7 @@ from typing import Callable, List, Optional
 
 import mlx.core as mx
 
-from .. import adaptive
+from .. import adaptive, calibration
 from ..adaptive import check_block_size
 from ..loop.draft_context import DraftContext
 from ..loop.random_keys import RandomStream, fresh_key
@@ -46,7 +46,7 @@ class BatchGenerator:
         else:
             block_size = check_block_size(drafter, block_size)
             self.policy = (batch_policy(self.target, drafter) if block_size == adaptive.AUTO
-                           else adaptive.policy(self.target, drafter, block_size))
+                           else calibration.policy(self.target, drafter, block_size))
         self.cycle = BatchCycle(self.target, drafter, self.batch, self.policy, batch_drafter, lookup)
         self.draft_window, self.draft_sink = draft_window, draft_sink
         self.prefill_step_size = prefill_step_size
@@ -112,7 +112,7 @@ class BatchGenerator:
 
     def close(self):
         """Keep the batch's acceptance as the pair's history (adaptive block sizes)."""
-        adaptive.remember(self.policy)
+        calibration.remember(self.policy)
 
     def _admit(self) -> List[Response]:
         """Prefill the waiting sequences (as many as there are places) and sample each

@@ -3,7 +3,7 @@
 
 from typing import Optional
 
-from .. import adaptive
+from .. import adaptive, calibration
 from ..adaptive import interp
 
 
@@ -63,4 +63,4 @@ def batch_policy(target, drafter, largest: Optional[int] = None) -> adaptive.Ada
     """The adaptive policy of a batch: the pair's history, its ``BatchCosts`` measured or
     cached, with this process's timing of them (shared with single streams, and saved with
     theirs when the batch closes)."""
-    return adaptive.policy(target, drafter, adaptive.AUTO, largest=largest, priced=BatchCosts)
+    return calibration.policy(target, drafter, adaptive.AUTO, largest=largest, priced=BatchCosts)

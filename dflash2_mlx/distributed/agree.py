@@ -9,14 +9,10 @@ and ``shared_seed`` gives every rank rank 0's seed.
 """
 
 import random
-import time
 
 import mlx.core as mx
 
-from ..adaptive import STALE_AFTER_S, Choice, CostModel, Fixed, cache_dir, calibrate, cost_key, cost_models
-from ..adaptive import store
-
-CALIBRATION_ROUNDS = (3, 3)  # a fixed count: every rank runs the same target passes
+from ..adaptive import Choice, Fixed
 
 
 def broadcast(values, group) -> list:
@@ -38,7 +34,7 @@ class Agreed:
     def __getattr__(self, name):  # costs, acceptance, fallback: the policy's
         return getattr(self.__dict__["policy"], name)
 
-    # Rank 0 alone saves what the request taught (``adaptive.remember``): ranks on one host
+    # Rank 0 alone saves what the request taught (``calibration.remember``): ranks on one host
     # share the files, and the others' choices were never used.
     @property
     def history_key(self):
@@ -83,32 +79,3 @@ def agreed(policy, group):
 def shared_seed(group) -> int:
     """A seed rank 0 picks, the same on every rank of ``group`` (for a sampled run given none)."""
     return broadcast([random.SystemRandom().randrange(1 << 31)], group)[0]
-
-
-def fresh_costs(key: str):
-    """This process's cost model of ``key`` (from memory, else from disk) if it is fresh."""
-    costs = cost_models.get(key)
-    if costs is None:
-        try:
-            costs = CostModel.from_json(store.read(cache_dir() / f"costs-{key}.json"))
-        except (TypeError, KeyError, ValueError, AttributeError):
-            return None
-    return costs if time.time() - costs.created <= STALE_AFTER_S else None
-
-
-def prepare_costs(target, drafter, group):
-    """Before an adaptive request on a split target: unless every rank has a fresh cost model
-    of the pair, all of them calibrate now, together (a fixed number of rounds, so the same
-    passes), and keep it where ``adaptive.cost_model`` finds it."""
-    key = cost_key(target, drafter)
-    costs = fresh_costs(key)
-    missing = mx.distributed.all_sum(mx.array([int(costs is None)]), group=group).item()
-    if missing:
-        costs = calibrate(target, drafter, budget_s=0.0, rounds=CALIBRATION_ROUNDS, redo=False)
-        # Ranks sharing cores see each other as "other processes": a busy calibration would
-        # expire within minutes, and one rank alone would then measure again (``measured``),
-        # each of its passes waiting for ranks that are not running them.  Only all ranks
-        # together measure a split target again, here.
-        costs.busy = 0.0
-        store.write(cache_dir() / f"costs-{key}.json", costs.to_json())
-    cost_models[key] = costs

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..adaptive import cost_model
+from ..calibration import costs as pair_costs
 from ..figures import pyplot, save_figure
 from ..loop.target import attach
 from ..tree import check_budget as trees_check
@@ -203,7 +203,7 @@ def results(tallies: Dict[str, Dict[str, Dict[str, RunTally]]], methods: List[st
 def _costs(model, runs) -> Optional[dict]:
     """The adaptive row's cost model (measured in the warm-up, or cached before)."""
     auto = [d for d, bs, *_ in runs.values() if bs == "auto"]
-    return cost_model(attach(model, auto[0]), auto[0]).to_json() if auto else None
+    return pair_costs(attach(model, auto[0]), auto[0]).to_json() if auto else None
 
 
 def _rate(run: dict) -> str:

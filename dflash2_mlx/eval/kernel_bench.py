@@ -10,7 +10,7 @@ from ..adaptive import check_block_size
 from ..generate import load
 from ..kernels.conv import dynamic_conv_reference
 from ..kernels.selector import pair_scores_reference, walk_reference
-from ..loop.cycle import speculative_generate_step
+from ..generate import speculative_generate_step
 from ..loop.target import attach
 from ..request.prompt import encode_prompt
 from ..request.sampling import SamplingParams

@@ -15,7 +15,7 @@ import mlx.core as mx
 from ..loop.draft_context import DraftContext
 from ..model.drafter import propose
 from ..request.sampling import SamplingParams
-from ..loop.cycle import speculative_generate_step
+from ..generate import speculative_generate_step
 from ..loop.target import attach
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from ..builtin.bench_sets import default_bench_files
+from ..calibration import store
 from ..machine.identity import describe
 from .bench_serve import free_port, serve_command
 from .prompts import sample_prompts
@@ -224,8 +225,8 @@ class Server:
         """The largest logit difference the exactness probe found here (None: rows exact, or
         not probed)."""
         found = []
-        for f in (self.home / "adaptive").glob("exact-*.json"):
-            data = json.loads(f.read_text())
+        for f in (self.home / "calibration").glob("exactness-*.json"):
+            data = store.data_of(f) or {}
             if not data.get("exact", True):
                 found.append(float(data.get("max_abs_diff", 0.0)))
         return max(found) if found else None

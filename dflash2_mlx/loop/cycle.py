@@ -8,12 +8,12 @@ longest prefix it agrees with is kept with the target's own next token, the next
 each block's size, learns what was accepted and how long it took; a block of 1 is a plain
 decode step (``plain.py``), and where the sequence repeats itself a block may be a copy of
 earlier tokens instead of a draft (``lookup.py``), verified and accepted the same way.
-``dflash_steps`` (and ``speculative_generate_step``, with mlx-lm's keyword arguments) yields
-(token, logprobs, from_draft, stats) per token.
+``dflash_steps`` yields (token, logprobs, from_draft, stats) per token; the policy and the
+costs it prices with come from above (the calibration service, asked by ``generate.py``).
 """
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -30,7 +30,7 @@ from .plain import PlainSteps
 from .stats import CycleStats
 from .target import Target, rollback, snapshot
 
-__all__ = ["CycleStats", "Sequence", "cycle", "dflash_steps", "prefill", "speculative_generate_step"]
+__all__ = ["CycleStats", "Sequence", "cycle", "dflash_steps", "prefill"]
 
 
 def prefill(target: Target, prompt: mx.array, cache, step: int = 2048, kv: Optional[KVQuantization] = None):
@@ -179,35 +179,18 @@ def tree_cycle(seq: Sequence, anchor: int, b: int, budget: int) -> Tuple[List[in
     return tree.tokens[path[1:]].tolist() + [token], len(path) - 1, logprobs
 
 
-def speculative_generate_step(prompt: mx.array, target: Target, drafter: Drafter, *,
-                              block_size: Union[int, str, adaptive.Policy] = adaptive.AUTO,
-                              prompt_cache: Optional[list] = None, context: Optional[DraftContext] = None,
-                              cached_tokens: int = 0, settle: bool = False,
-                              costs: Optional[adaptive.CostModel] = None, **planned) -> Iterator:
-    """``dflash_steps`` under mlx-lm generate_step's keyword arguments.  ``block_size``: a
-    number, "auto", or a policy (``adaptive.Policy``); a reused prefix: the first
-    ``cached_tokens`` of the prompt are already in ``prompt_cache`` and ``context``;
-    ``planned``: the ``Plan``'s fields (``max_tokens``, ``params``, ``lookup``,
-    ``tree_budget``, ``draft_window``, mlx-lm's KV quantization, ...)."""
-    policy = block_size if isinstance(block_size, adaptive.Policy) else None
-    plan = Plan(block_size=adaptive.AUTO if policy is not None else block_size, **planned)
-    return dflash_steps(prompt, target, drafter, plan, policy, Reuse(prompt_cache, context, cached_tokens),
-                        settle, costs)
-
-
-def dflash_steps(prompt: mx.array, target: Target, drafter: Drafter, plan: Plan,
-                 policy: Optional[adaptive.Policy] = None, reuse: Optional[Reuse] = None, settle: bool = False,
+def dflash_steps(prompt: mx.array, target: Target, drafter: Drafter, plan: Plan, policy: adaptive.Policy,
+                 reuse: Optional[Reuse] = None, settle: bool = False,
                  costs: Optional[adaptive.CostModel] = None) -> Iterator:
     """The request's tokens as (token, logprobs, from_draft, stats): each cycle the policy
     chooses a block (or a plain step, or a copy), which is drafted, verified and accepted.
-    ``policy``: the block-size policy (default: ``plan``'s); ``settle``: when the steps end
-    (or are closed), leave the cache holding the prompt and every token yielded, as mlx-lm's
-    generate_step leaves it; ``costs``: the pass costs a tree budget of "auto" is sized by
-    (default: the policy's, or this machine's calibration)."""
-    seq, policy, logprobs = start(prompt, target, drafter, plan, policy, reuse or Reuse())
+    ``policy``: the block-size policy; ``settle``: when the steps end (or are closed), leave
+    the cache holding the prompt and every token yielded, as mlx-lm's generate_step leaves
+    it; ``costs``: the pass costs a tree budget of "auto" is sized by."""
+    seq, logprobs = start(prompt, target, drafter, plan, policy, reuse or Reuse())
     anchor = int(sample(logprobs, plan.params)[0].item())
     copier = Lookup(prompt.tolist() + [anchor]) if plan.lookup else None  # every token read so far
-    plain, clock, budget = PlainSteps(seq, policy, copier), Clock(policy), TreeBudget(seq, plan, policy, costs)
+    plain, clock, budget = PlainSteps(seq, policy, copier), Clock(policy), TreeBudget(seq, plan, costs)
     try:
         yield seq.out(anchor, logprobs[0])
         while seq.emitted + plain.waiting < plan.limit:
@@ -249,13 +232,11 @@ def dflash_steps(prompt: mx.array, target: Target, drafter: Drafter, plan: Plan,
             seq.settle(prompt.size)
 
 
-def start(prompt: mx.array, target: Target, drafter: Drafter, plan: Plan, policy: Optional[adaptive.Policy],
-          reuse: Reuse) -> Tuple[Sequence, adaptive.Policy, mx.array]:
-    """The sequence once its prompt is read (past the ``reuse``d prefix), its policy, and the
-    logprobs of its first token."""
+def start(prompt: mx.array, target: Target, drafter: Drafter, plan: Plan, policy: adaptive.Policy,
+          reuse: Reuse) -> Tuple[Sequence, mx.array]:
+    """The sequence once its prompt is read (past the ``reuse``d prefix), and the logprobs of
+    its first token."""
     cache = target.make_cache() if reuse.prompt_cache is None else reuse.prompt_cache
-    if policy is None:
-        policy = adaptive.policy(target, drafter, plan.block_size, plan.params.greedy, largest=plan.largest)
     context = DraftContext(drafter, plan.draft_window, plan.draft_sink) if reuse.draft_context is None \
         else reuse.draft_context
     seq = Sequence(target, drafter, cache, context, plan.params, plan.logits_processors,
@@ -263,7 +244,7 @@ def start(prompt: mx.array, target: Target, drafter: Drafter, plan: Plan, policy
                    CycleStats(max(policy.largest, policy.copy_largest)), prompt)
     logits, features = prefill(target, prompt[reuse.cached_tokens:], cache, plan.prefill_step_size, seq.kv)
     context.add(features)
-    return seq, policy, processed_logprobs(logits, prompt[:-1], prompt[-1:], plan.logits_processors)
+    return seq, processed_logprobs(logits, prompt[:-1], prompt[-1:], plan.logits_processors)
 
 
 def plain_step(seq: Sequence, plain: PlainSteps, policy: adaptive.Policy, clock: Clock, choice: adaptive.Choice):
@@ -282,18 +263,11 @@ class TreeBudget:
     "auto" (per block size, the live choice among the trees the cost curve names,
     ``trees.Arms``); 0 for a chain, ``stats.chain_why`` saying why."""
 
-    def __init__(self, seq: Sequence, plan: Plan, policy: adaptive.Policy, costs: Optional[adaptive.CostModel]):
-        self.seq, self.budget = seq, plan.tree_budget
+    def __init__(self, seq: Sequence, plan: Plan, costs: Optional[adaptive.CostModel]):
+        if plan.tree_budget == "auto" and costs is None:
+            raise ValueError('a tree budget of "auto" is sized by the pair\'s pass costs: none were given')
+        self.seq, self.budget, self.costs = seq, plan.tree_budget, costs  # the calibrated curve names the trees
         self.arms, self.arm = {}, None  # block size -> its trees' live choice; this cycle's
-        if self.budget == "auto":
-            target, drafter = seq.target, seq.drafter
-            costs = costs or getattr(policy, "costs", None) or adaptive.cost_model(target, drafter)
-            # The calibrated curve names the trees: a policy's live timing corrects a chain's or a
-            # copy's cycle, not a tree's (tree cycles are timed by ``trees.Arms`` itself).
-            costs = costs.costs if isinstance(costs, adaptive.Corrected) else costs
-            if getattr(costs, "coarse", False):  # a first use measured a chain's rows only: a tree's are measured now
-                costs = adaptive.cost_model(target, drafter, whole=True)
-        self.costs = costs
 
     def nodes(self, choice: adaptive.Choice) -> int:
         seq, self.arm = self.seq, None

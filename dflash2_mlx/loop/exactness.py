@@ -11,25 +11,22 @@ not with OpenBLAS (a different kernel for one row); on a GPU they were not (docs
 ``probe`` measures it on the real target: after the same prompt, a pass over b rows
 against the same b tokens decoded one row at a time, for each row count the loop may use.
 It also tries the row-exact pass (``exact_pass.py``: products and attention row by row in
-one pass) against the same one-row steps.  ``verdict`` runs it once per (target, machine,
-backend) and keeps it beside the cost calibration.  ``exact=True`` (``generate``,
-``--exact``) then costs nothing where the verdict is "exact"; elsewhere each verify pass is
-the row-exact pass where the probe found it bit-identical to one-row steps, else one-row
-steps (``Target.verify_pass``).
+one pass) against the same one-row steps.  The calibration service runs it once per
+(target, machine, backend) and keeps the ``Verdict`` (``calibration/exactness.py``).
+``exact=True`` (``generate``, ``--exact``) then costs nothing where the verdict is "exact";
+elsewhere each verify pass is the row-exact pass where the probe found it bit-identical to
+one-row steps, else one-row steps (``Target.verify_pass``).
 """
 
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..adaptive import store
-from ..machine.identity import identity
 from .target import Target
 
-PROBE = 2  # bump when the probe changes what it measures
 ROWS = tuple(range(2, 17))  # every block size the loop drafts (copies verify up to 16 rows)
 
 
@@ -144,141 +141,3 @@ def _try_exact_pass(verify: Target, rest, one, rows, fresh, trimmable) -> tuple:
     except Exception as e:  # a family whose layers the pass cannot run row by row
         return False, f"{type(e).__name__}: {e}"
     return True, ""
-
-
-
-def _key(model) -> str:
-    from ..adaptive.costs import shapes
-
-    return store.digest({"probe": PROBE, "target": shapes(model), "machine": identity()})
-
-
-def verdict(model, refresh: bool = False, try_pass: bool = True) -> Verdict:
-    """The probe's verdict for ``model`` on this machine, measured once and kept under the
-    cache home (``adaptive/exact-*.json``) as the cost calibration is (at a pair's first
-    calibration, without ``try_pass``: the row-exact pass is tried when exact=True first
-    needs it)."""
-    path = store.cache_dir() / f"exact-{_key(model)}.json"
-    kept = None if refresh else known(model)
-    if kept is not None and (kept.exact or kept.exact_pass is not None or not try_pass):
-        return kept
-    v = probe(model, try_pass=try_pass)
-    v.target, v.blas, v.machine = target_name(model), blas_name(), machine_digest()
-    store.write(path, v.to_json())
-    return v
-
-
-def target_name(model) -> str:
-    """A target as a verdict names it: its family, width x depth."""
-    args = getattr(getattr(model, "language_model", model), "args", None)
-    if args is None:
-        return type(model).__module__.rsplit(".", 1)[-1]
-    return (f"{getattr(args, 'model_type', '?')} {getattr(args, 'hidden_size', '?')}x"
-            f"{getattr(args, 'num_hidden_layers', '?')}")
-
-
-def blas_name() -> str:
-    """What computes this process's matmuls: the GPU, a preloaded BLAS, or MLX's own."""
-    ident = identity()
-    if "gpu" in ident["device"]:
-        return ident.get("gpu") or "GPU"
-    return ident["blas"] or "MLX's bundled BLAS"
-
-
-def machine_digest() -> str:
-    return store.digest(identity())
-
-
-def at_first_use(model) -> None:
-    """Probe ``model`` at the end of the reply its pair's first cost calibration was made
-    for, unless it was already (a one-machine target: a split target's ranks would have to
-    probe in step)."""
-    import sys
-    import time
-
-    from ..distributed import group_of
-
-    if group_of(model) is None and known(model) is None:
-        print("dflash2-mlx: first use: probing whether this target's verify rows are row-exact on this machine "
-              "(once) ...", end=" ", file=sys.stderr, flush=True)
-        tic = time.perf_counter()
-        verdict(model, try_pass=False)
-        print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
-
-
-NOT_PROBED = "not probed on this machine"
-
-
-def note(model) -> str:
-    """What a reply says of ``model``'s verify rows here: the kept verdict, or NOT_PROBED."""
-    v = known(model) if model is not None else None
-    return NOT_PROBED if v is None else v.describe()
-
-
-def known(model) -> Optional[Verdict]:
-    """The kept verdict for ``model`` (None: not measured on this machine yet)."""
-    return _kept(_key(model))
-
-
-def _kept(key: str) -> Optional[Verdict]:
-    data = store.read(store.cache_dir() / f"exact-{key}.json")
-    try:
-        return None if data is None else Verdict(**data)
-    except TypeError:
-        return None
-
-
-# A verdict is keyed by the loaded model's weights; a server lists models it has not loaded
-# yet.  Each load therefore notes which key the files it read give on this machine, so that a
-# listing can name the verdict of a model this machine has loaded before (by any surface).
-
-
-def _source_key(source: dict) -> str:
-    return store.digest({"probe": PROBE, "source": source, "machine": identity()})
-
-
-def source_of(target_dir, adapter_path=None) -> dict:
-    """What a load read: the target's directory and its config, and the adapters."""
-    from pathlib import Path
-
-    target_dir = Path(target_dir)
-    try:
-        config = (target_dir / "config.json").read_text()
-    except OSError:
-        config = None
-    return {"target": str(target_dir.resolve()), "config": config and store.digest(config),
-            "adapters": str(Path(adapter_path).resolve()) if adapter_path else None}
-
-
-def loaded(model, source: dict):
-    """Note that ``source`` loads as ``model`` on this machine (see ``note_of_source``)."""
-    path = store.cache_dir() / f"source-{_source_key(source)}.json"
-    key = _key(model)
-    if (store.read(path) or {}).get("key") != key:
-        store.write(path, {"key": key})
-
-
-def note_of_source(source: dict) -> str:
-    """``note`` for a model not loaded in this process: the verdict kept for what ``source``
-    loaded as when this machine last loaded it, else NOT_PROBED."""
-    key = (store.read(store.cache_dir() / f"source-{_source_key(source)}.json") or {}).get("key")
-    v = _kept(key) if isinstance(key, str) else None
-    return NOT_PROBED if v is None else v.describe()
-
-
-def exactness_of(model, exact: bool) -> Tuple[str, Optional[str]]:
-    """(what a response says of its exactness, how verify rows are made exact: None where
-    passes are row-exact already or exactness was not asked, "pass" for a row-exact pass,
-    "steps" for one-row steps).  With ``exact`` the probe runs now if this machine has no
-    verdict for the target yet."""
-    v = verdict(model) if exact else known(model)  # probes the pass if untried
-    if v is None:
-        return f"{NOT_PROBED} (dflash2-mlx doctor --exact)", None
-    if v.exact:
-        return "exact", None
-    if exact and v.exact_pass:
-        return f"exact, by the exact mode's row-exact verify pass (ordinary passes here are {v.describe()})", "pass"
-    if exact:
-        return f"exact, by the exact mode's one-row verify (ordinary passes here are {v.describe()})", "steps"
-    return (f"{v.describe()}: greedy output may leave plain decoding's where two tokens nearly tie "
-            "(the exact mode rules that out: --exact, exact=True, dflash_exact)"), None

@@ -6,6 +6,7 @@ resolved; ``dflash2_mlx.plan`` and the server's model settings read it."""
 # block size is chosen every cycle, a number given as its largest; "ddtree" is oMLX's name.
 MODES = {"dflash": "chain", "adaptive": "chain", "tree": "tree", "ddtree": "tree", "off": "off"}
 VERIFY_MODES = tuple(MODES)
+MAX_BUDGET = 64  # the most nodes a tree may verify in one pass (besides the anchor)
 
 
 def verify_kind(mode: str) -> str:

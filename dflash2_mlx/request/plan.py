@@ -8,11 +8,10 @@ from typing import Callable, List, Optional, Union
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .arguments import check_all
-from .modes import verify_kind
+from .modes import MAX_BUDGET, verify_kind
 from .sampling import SamplingParams
 
 AUTO = "auto"  # a block size chosen every cycle, or a tree budget sized by the cost curve
-MAX_BUDGET = 64  # the most nodes a tree may verify in one pass (besides the anchor)
 
 
 def check_block_size(drafter, block_size: Union[int, str, None]) -> Union[int, str]:

@@ -25,10 +25,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash2_mlx import adaptive, load
+from dflash2_mlx import adaptive, calibration, load
 from dflash2_mlx.batch import BatchGenerator
 from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.train.data import encode, read_prompts
 
@@ -40,7 +40,7 @@ def prompts(tokenizer, n: int):
 
 
 def block_policy(target, drafter, block):
-    return adaptive.policy(target, drafter, adaptive.AUTO) if block == "auto" else int(block)
+    return calibration.policy(target, drafter, adaptive.AUTO) if block == "auto" else int(block)
 
 
 def run_batch(model, drafter, ids, max_tokens, block, stop, batch_drafter=True, lookup=True):

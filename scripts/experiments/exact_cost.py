@@ -18,7 +18,7 @@ import time
 
 from dflash2_mlx import load, stream_generate
 from dflash2_mlx.builtin.bench_sets import SHIPPED_BENCH_DIR
-from dflash2_mlx.loop import exactness
+from dflash2_mlx.calibration import exactness
 from dflash2_mlx.train.data import read_prompts
 
 

@@ -23,7 +23,7 @@ from mlx_lm.utils import _get_classes
 
 from dflash2_mlx import tree as trees
 from dflash2_mlx.builtin.defaults import drafter_path
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.model.checkpoint import load_drafter
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 from hybrid_trees import ATTENTION, HYBRID, random_model
 
 from dflash2_mlx import tree as trees
-from dflash2_mlx.adaptive.costs import _pad, shaped
+from dflash2_mlx.calibration.measure import _pad, shaped
 from dflash2_mlx.builtin.defaults import drafter_path
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.model.checkpoint import load_drafter

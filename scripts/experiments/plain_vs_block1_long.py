@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from dflash2_mlx.generate import load
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 
 TOKENS = 64

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash2_mlx import adaptive, load
+from dflash2_mlx import adaptive, calibration, load
 from dflash2_mlx.builtin.bench_sets import default_bench_files
 from dflash2_mlx.eval.prompts import sample_prompts
 from dflash2_mlx.eval.evaluate import greedy_responses, leading, offline_hits
@@ -127,12 +127,12 @@ def main():
     if args.truth and Path(args.truth).exists():
         truth = adaptive.CostModel.from_json(json.loads(Path(args.truth).read_text()))
     else:
-        truth = adaptive.calibrate(target, drafter, budget_s=40.0, rounds=(8, 40),
+        truth = calibration.calibrate(target, drafter, budget_s=40.0, rounds=(8, 40),
                                    sizes=list(range(2, largest + 1)))
         if args.truth:
             Path(args.truth).write_text(json.dumps(truth.to_json()))
     overhead = args.overhead_ms / 1000
-    deciders = [adaptive.calibrate(target, drafter) for _ in range(args.decision_costs)]
+    deciders = [calibration.calibrate(target, drafter) for _ in range(args.decision_costs)]
     show = lambda c: " ".join(f"{b}:{1000 * c.cycle(b, 256):.1f}" for b in range(1, largest + 1))
     print(f"true cycle ms at context 256: {show(truth)}")
     for i, c in enumerate(deciders):

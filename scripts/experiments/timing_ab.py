@@ -13,17 +13,17 @@ Prints seconds per round for each arm (generation only, the 10 prompts together)
 """
 
 import argparse
-import json
 import time
 from collections import Counter
 
 import mlx.core as mx
 
 import dflash2_mlx as d
-from dflash2_mlx import adaptive
+from dflash2_mlx import adaptive, calibration
 from dflash2_mlx.builtin.bench_sets import default_bench_files
+from dflash2_mlx.calibration import keys
 from dflash2_mlx.eval.prompts import sample_prompts
-from dflash2_mlx.loop.cycle import speculative_generate_step
+from dflash2_mlx.generate import speculative_generate_step
 from dflash2_mlx.loop.target import attach
 from dflash2_mlx.train.data import encode
 
@@ -32,8 +32,7 @@ def run_all(target, drafter, prompts, max_tokens: int, costs, timed: bool) -> tu
     """Seconds, tokens and block sizes over all prompts, and the arm's Timing: one per arm
     and round, from nothing (not from disk), shared by its requests (None: calibration only)."""
     positions = drafter.config.block_size - 1
-    key = adaptive.pair_key(target, drafter, True, adaptive.cost_key(target, drafter))
-    history = adaptive.load_history(key, positions)
+    history = calibration.acceptance_history(keys.acceptance(target, drafter, True), positions)
     timing = adaptive.Timing() if timed else None
     seconds = tokens = 0
     blocks = Counter()
@@ -52,15 +51,15 @@ def run_all(target, drafter, prompts, max_tokens: int, costs, timed: bool) -> tu
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--costs", help="a cost file (adaptive/costs-*.json) to decide with")
+    ap.add_argument("--costs", help="a cost file (`dflash2-mlx doctor --export-costs FILE`) to decide with")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samples", type=int, default=2, help="prompts per benchmark set")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     model, tok, drafter = d.load()
     target = attach(model, drafter)
-    costs = (adaptive.CostModel.from_json(json.load(open(args.costs))) if args.costs
-             else adaptive.cost_model(target, drafter))  # measured now unless cached
+    costs = (calibration.load_costs(args.costs, target, drafter) if args.costs
+             else calibration.costs(target, drafter))  # measured now unless cached
     prompts = [encode(tok, p) for ps in sample_prompts(default_bench_files(), args.samples).values()
                for p in ps]
     run_all(target, drafter, prompts[:1], 8, costs, True)  # warm-up: compilation, allocation

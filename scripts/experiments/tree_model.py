@@ -41,7 +41,7 @@ def methods(report: dict, temp: str) -> dict:
 def this_machine(context: int):
     """(c(rows), d) from this machine's calibrated cost model of the built-in pair."""
     import dflash2_mlx as d
-    from dflash2_mlx.adaptive import cost_model
+    from dflash2_mlx.calibration import costs as cost_model
     from dflash2_mlx.loop.target import attach
 
     model, _, drafter = d.load()
