@@ -173,15 +173,12 @@ def stream_plan(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan
         tokens = _plain_steps(model, ids[reuse.cached_tokens:], plan, reuse.prompt_cache)
     # The prompt's time starts here: a first use's calibration (above) is not its.
     tic = time.perf_counter()
-    owed = _probe_owed(policy)
     try:
         # As mlx-lm's stream_generate: on Metal the weights stay wired while it decodes.
         with wired_limit(model):
             for r in responses(tokens, tokenizer, ids, plan.limit, tic, plan.continues):
-                if r.finish_reason is not None and owed is not None:
-                    owed.first_use, owed = False, None
-                    exactness.at_first_use(model)
-                    exact_note = exact_note if plan.exact else exactness.exactness_of(model, False)[0]
+                if r.finish_reason is not None and exactness.probe_owed(policy, model) and not plan.exact:
+                    exact_note = exactness.exactness_of(model, False)[0]
                 r.exactness = exact_note
                 yield r
     finally:
@@ -208,14 +205,6 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, plan: Plan, reuse: Reu
     policy = agree.agreed(_block_policy(target, drafter, plan, one_row, costs), group)
     return policy, dflash_steps(ids, target, drafter, plan, policy, Reuse(cache, context, reuse.cached_tokens),
                                 settle=chat, costs=_tree_costs(target, drafter, plan, policy, costs))
-
-
-def _probe_owed(policy):
-    """The cost model ``policy`` prices with when this process measured it at the pair's first
-    use (its reply ends with the exactness probe), else None."""
-    costs = getattr(policy, "costs", None)
-    costs = getattr(costs, "costs", costs)  # under the live timing's correction
-    return costs if getattr(costs, "first_use", False) else None
 
 
 def _block_policy(target, drafter: Drafter, plan: Plan, one_row: Optional[str] = None, costs=None):

@@ -462,6 +462,23 @@ def test_batch_timing_is_kept_for_the_next_process(pairs, tmp_path, monkeypatch)
         store.live.clear()
 
 
+def test_a_batch_that_made_a_pairs_first_calibration_probes_the_target_when_it_closes(pairs, tmp_path, monkeypatch):
+    """A server whose first request of a pair runs in a batch says whether verify rows are
+    row-exact afterwards, as a single stream's first reply does (the probe after the last token)."""
+    from dflash2_mlx.calibration import exactness
+
+    monkeypatch.setenv("DFLASH2_MLX_HOME", str(tmp_path))
+    monkeypatch.setattr(store, "live", {})  # a first use in this process too
+    model, tok, drafter = pairs["qwen3"]
+    gen = BatchGenerator(model, drafter, block_size="auto")
+    for text in ("abcab dcba", "dd cb"):
+        gen.insert(tok.encode(text), max_tokens=8)
+    run(gen)
+    assert exactness.known(model) is None  # not before the batch is done
+    gen.close()
+    assert exactness.known(model) is not None
+
+
 def test_adaptive_policy_sees_the_batch(pairs):
     """Block size "auto" over a batch: the policy's costs follow the batch's size as
     sequences leave, it drafts (drafts are nearly free here), and every sequence still

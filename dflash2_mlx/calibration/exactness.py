@@ -84,6 +84,19 @@ def at_first_use(model) -> None:
         print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
 
 
+def probe_owed(policy, model) -> bool:
+    """At the end of the reply (or batch) ``policy`` served: where its costs were measured by
+    this process at the pair's first use, the exactness probe runs now, once (``at_first_use``:
+    the first token waited for the costs only).  Whether it ran."""
+    costs = getattr(policy, "costs", None)
+    costs = getattr(costs, "costs", costs)  # under the live timing's (or a batch's) pricing
+    if not getattr(costs, "first_use", False):
+        return False
+    costs.first_use = False
+    at_first_use(model)
+    return True
+
+
 def note(model) -> str:
     """What a reply says of ``model``'s verify rows here: the kept verdict, or NOT_PROBED."""
     v = known(model) if model is not None else None
