@@ -177,7 +177,7 @@ def stream_plan(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan
         # As mlx-lm's stream_generate: on Metal the weights stay wired while it decodes.
         with wired_limit(model):
             for r in responses(tokens, tokenizer, ids, plan.limit, tic, plan.continues):
-                if r.finish_reason is not None and exactness.probe_owed(policy, model) and not plan.exact:
+                if r.finish_reason is not None and exactness.probe_if_owed(policy, model) and not plan.exact:
                     exact_note = exactness.exactness_of(model, False)[0]
                 r.exactness = exact_note
                 yield r

@@ -114,7 +114,7 @@ class BatchGenerator:
         """Keep the batch's acceptance as the pair's history (adaptive block sizes); where the
         batch's costs were a pair's first calibration, probe the target's exactness now."""
         calibration.remember(self.policy)
-        calibration.exactness.probe_owed(self.policy, self.target.model)
+        calibration.exactness.probe_if_owed(self.policy, self.target.model)
 
     def _admit(self) -> List[Response]:
         """Prefill the waiting sequences (as many as there are places) and sample each

@@ -84,7 +84,7 @@ def at_first_use(model) -> None:
         print(f"done in {time.perf_counter() - tic:.0f} s", file=sys.stderr, flush=True)
 
 
-def probe_owed(policy, model) -> bool:
+def probe_if_owed(policy, model) -> bool:
     """At the end of the reply (or batch) ``policy`` served: where its costs were measured by
     this process at the pair's first use, the exactness probe runs now, once (``at_first_use``:
     the first token waited for the costs only).  Whether it ran."""

@@ -95,9 +95,8 @@ def prepare_split(target, drafter, group):
 def recalibrate() -> int:
     """Forget every pair's costs and live timings on this machine (the next request measures
     them again); how many records were dropped."""
-    gone = store.files(("costs", "timing"))
-    for name in gone:
-        kind, key = name[:-len(".json")].split("-", 1)
+    gone = [(kind, key) for kind in ("costs", "timing") for key in store.keys_of(kind)]
+    for kind, key in gone:
         store.drop(kind, key)
     return len(gone)
 

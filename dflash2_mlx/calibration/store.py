@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 # Bumped whenever what any record holds, or how it is measured, changes.  (The costs, the
 # timings and the verdict had their own counters before, at 11, 2 and 2, in files under
@@ -76,15 +76,15 @@ live: Dict[Tuple[str, str], object] = {}
 
 def records(kind: str) -> Iterator[Tuple[str, dict]]:
     """(key, data) of every readable record of ``kind``, by key."""
-    for p in sorted(home().glob(f"{kind}-*.json")):
-        data = data_of(p)
+    for key in keys_of(kind):
+        data = data_of(path(kind, key))
         if data is not None:
-            yield p.stem[len(kind) + 1:], data
+            yield key, data
 
 
-def files(kinds=KINDS) -> Dict[str, Path]:
-    """Every record file of ``kinds`` (whatever its format), by name."""
-    return {p.name: p for kind in kinds for p in sorted(home().glob(f"{kind}-*.json"))}
+def keys_of(kind: str) -> List[str]:
+    """The key of every record file of ``kind`` (whatever its format), sorted."""
+    return [p.stem[len(kind) + 1:] for p in sorted(home().glob(f"{kind}-*.json"))]
 
 
 def data_of(p: Path) -> Optional[dict]:
