@@ -12,6 +12,7 @@ import time
 
 import mlx.core as mx
 
+from ..loop import verifiers
 from ..loop.draft_context import DraftContext
 from ..model.drafter import propose
 from ..request.sampling import SamplingParams
@@ -50,9 +51,6 @@ class Timed:
         self.times[self.phase] += time.perf_counter() - mid
         return out
 
-    def verify_pass(self, ids, cache):
-        """The target's verify pass, through this wrapper's timed call."""
-        return type(self.inner).verify_pass(self, ids, cache)
 
 
 def _cache_states(cache):
@@ -68,6 +66,7 @@ def timed_cycles(target, drafter, ids: mx.array, block_size: int, tokens: int,
     # The drafter's inputs are the context's pending append; the verify pass's are the
     # proposed tokens (the drafter's states are already computed by then).
     t = Timed(target, times, "propose", "verify", lambda ids, cache: ids)
+    verifiers.compose(t)  # its verify passes through the timed call
     d = Timed(drafter, times, "append", "drafter", lambda ids, cache: _cache_states(cache))
     cycles = 0
     for _ in range(runs):
