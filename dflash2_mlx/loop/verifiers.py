@@ -8,7 +8,8 @@
                   row's state, so a rollback takes the kept row's instead of a replay
 
 Each verifier installs what it changes on the target's model and undoes what it changes
-for one pass only; nothing else writes the target's fields.  ``compose`` says how they
+for one pass only; nothing else writes the target's fields.  What is installed stays: it
+computes as the model's own outside a pass, and every target of the model shares it.  ``compose`` says how they
 combine, innermost first:
 
 1. The CPU split (``machine/cpu_split.py``) is under every pass over 2..MAX_ROWS rows, the
@@ -26,7 +27,7 @@ asks for exact verify decodes alone.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -61,7 +62,7 @@ class RowExactPass:
         exact_pass.install(target.model, target.layers)
 
     def __call__(self, ids: mx.array, cache):
-        if ids.shape[1] == 1:
+        if ids.shape[1] == 1:  # one row is a one-row step already
             return self.target(ids, cache)
         with exact_pass.rows():
             return self.target(ids, cache, split=False)
@@ -76,6 +77,8 @@ class OneRowSteps:
         self.target = target
 
     def __call__(self, ids: mx.array, cache):
+        if ids.shape[1] == 1:  # one row is a one-row step already
+            return self.target(ids, cache)
         outs = [self.target(ids[:, i : i + 1], cache) for i in range(ids.shape[1])]
         return (mx.concatenate([o[0] for o in outs], axis=1),
                 mx.concatenate([o[1] for o in outs], axis=1))
@@ -98,14 +101,14 @@ class Verifiers:
     replays kept tokens), ``tree`` a tree, ``path`` a block as one path; ``refused`` says why
     trees and paths cannot run on this target at all."""
     exact: Optional[str]
-    block: object
+    block: Callable
     tree: Optional[TreePass] = None
     path: Optional[PathPass] = None
     refused: Optional[str] = None
 
     @property
     def names(self) -> tuple:
-        return (self.block.name,) + (("tree", "path") if self.tree is not None else ())
+        return (self.block.name,) + ((self.tree.name, self.path.name) if self.tree is not None else ())
 
     def tree_fits(self, cache: list, rows: int) -> Optional[str]:
         """None if a tree (or path) of ``rows`` can be verified on ``cache``, else why not."""
@@ -114,9 +117,10 @@ class Verifiers:
 
 def check(model, exact: bool):
     """Raise ValueError for a combination the product refuses, before any probe runs."""
-    if exact and getattr(model, "dflash_stage", None) is not None:
+    if exact and getattr(model, "dflash_stage", None) is not None:  # ``distributed/pipeline.py``
         raise ValueError("exact verify on a target split into a pipeline: the exactness probe and the "
-                         "row-exact pass read the whole model on one machine; use exact=False")
+                         "row-exact pass read the whole model on one machine; verify without it "
+                         "(exact=False, no --exact, dflash_exact false)")
 
 
 def compose(target, exact: Optional[str] = None) -> Verifiers:

@@ -76,6 +76,7 @@ class TreePass:
     at the first pass that needs them (once per model: a later verifier of the same model
     reads the holders already there), and each attention cache's mask class, swapped for one
     pass and swapped back after it."""
+    name = "tree"
 
     def __init__(self, target):
         self.target = target
