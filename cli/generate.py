@@ -101,6 +101,9 @@ def generate(
         if distributed is not None and prompt_cache_file is not None:
             raise ValueError("--prompt-cache-file goes without --distributed: a saved cache holds the whole target's "
                              "keys and values, a split target's rank only its share")
+        if distributed == "pipeline" and exact:
+            raise ValueError("--exact goes without --distributed pipeline: the exactness probe and the row-exact "
+                             "pass read the whole model on one machine")
         # Every argument is checked before a model is loaded: a bad one costs nothing.
         check_all(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
                   xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, seed=seed, max_tokens=max_tokens)

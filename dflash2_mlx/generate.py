@@ -15,6 +15,7 @@ from .calibration import exactness
 from .distributed import agree, fingerprint
 from .loop.cycle import dflash_steps
 from .loop.draft_context import DraftContext, chat_context
+from .loop import verifiers
 from .loop.target import Target, attach
 from .model.checkpoint import CheckpointError, load_drafter, quantize, resolve, set_activation_bits
 from .model.drafter import Drafter, propose
@@ -167,6 +168,7 @@ def stream_plan(model, tokenizer, prompt, drafter: Optional[Drafter], plan: Plan
     if plan.verify != "off":
         # The verdict decides how exact rows are verified (with ``exact``: probed now if
         # this machine has none), and what the reply says of them.
+        verifiers.check(model, plan.exact)
         exact_note, one_row = exactness.exactness_of(model, plan.exact)
         policy, tokens = _dflash_steps(model, drafter, ids, plan, reuse, one_row)
     else:
@@ -190,8 +192,7 @@ def _dflash_steps(model, drafter: Drafter, ids: mx.array, plan: Plan, reuse: Reu
     """(the block-size policy, the DFlash cycles' (token, logprobs, from_draft, stats)).  A
     ``prompt_cache`` without a ``draft_context`` is mlx-lm's use of one: the drafter's context
     is the one kept beside it (``chat_context``), and the cache is settled when the steps end."""
-    target = attach(model, drafter)
-    target.exact = one_row
+    target = attach(model, drafter, exact=one_row)
     cache, context = reuse.prompt_cache, reuse.draft_context
     if cache is not None:
         target.check_cache(cache)

@@ -542,15 +542,15 @@ def test_calibration_times_passes_as_the_loop_runs_them(pair, family, monkeypatc
     target = attach(model, drafter)
     depth = drafter.config.block_size - 1
     passes = {}
-    real = trees.tree_pass
+    real = trees.TreePass.__call__
 
-    def tree_pass(target, tree, cache):
+    def tree_pass(verifier, tree, cache):
         assert all(tree.parents[i] < i and tree.depths[i] == tree.depths[tree.parents[i]] + 1
                    for i in range(1, tree.tokens.size))
         passes[tree.tokens.size] = tree.depths.tolist()
-        return real(target, tree, cache)
+        return real(verifier, tree, cache)
 
-    monkeypatch.setattr(trees, "tree_pass", tree_pass)
+    monkeypatch.setattr(trees.TreePass, "__call__", tree_pass)
     costs = calibration.calibrate(target, drafter, budget_s=0.0, rounds=(1, 1))
     for rows in TREE_ROWS:
         assert rows in passes and len(passes[rows]) == rows and max(passes[rows]) == min(depth, rows - 1)

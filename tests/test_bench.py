@@ -211,9 +211,10 @@ def test_timed_cycles_split_real_cycles_without_changing_them(tiny):
     assert t["append"] <= t["bookkeeping"]  # the append is part of it
     plain = [x[0] for x in speculative_generate_step(ids, target, drafter, max_tokens=12, block_size=4)]
     times = dict.fromkeys(("a", "b", "c", "d"), 0.0)
+    timed = Timed(target, times, "a", "b", lambda i, c: i)
+    assert timed.verifiers.block.target is timed  # its verify passes are timed, not only its prefill
     wrapped = [x[0] for x in speculative_generate_step(
-        ids, Timed(target, times, "a", "b", lambda i, c: i), Timed(drafter, times, "c", "d", lambda i, c: i),
-        max_tokens=12, block_size=4)]
+        ids, timed, Timed(drafter, times, "c", "d", lambda i, c: i), max_tokens=12, block_size=4)]
     assert wrapped == plain and times["b"] > 0 and times["d"] > 0
 
 

@@ -12,6 +12,7 @@ import dflash2_mlx as d
 from dflash2_mlx.responses import stats_line
 from dflash2_mlx.calibration import exactness, keys, store
 from dflash2_mlx.generate import speculative_generate_step
+from dflash2_mlx.loop import verifiers
 from dflash2_mlx.loop.cycle import prefill
 from dflash2_mlx.loop.target import attach
 from helpers import plain_tokens
@@ -111,9 +112,9 @@ def test_exact_restores_plain_decoding_where_the_default_leaves_it(pair, tmp_pat
         rounded_mlps(model)
     drafter = d.load(str(root / "t"), str(root / "d"))[2]
     used = []
-    for how in ("exact_pass", "one_row_steps"):
-        real = getattr(d.loop.target.Target, how)
-        monkeypatch.setattr(d.loop.target.Target, how,
+    for how, verifier in (("exact_pass", verifiers.RowExactPass), ("one_row_steps", verifiers.OneRowSteps)):
+        real = verifier.__call__
+        monkeypatch.setattr(verifier, "__call__",
                             lambda self, ids, cache, how=how, real=real: used.append(how) or real(self, ids, cache))
     diverged = 0
     for text in PROMPTS:
@@ -151,9 +152,9 @@ def test_exact_costs_nothing_where_passes_are_row_exact(pair, tmp_path, monkeypa
     root, model, tok, drafter = pair
     store.write("exactness", keys.exactness(model), exactness.Verdict(exact=True, rows=[2]).to_json())
     passes = []
-    target_call = type(attach(model, drafter)).one_row_steps
-    monkeypatch.setattr(type(attach(model, drafter)), "one_row_steps",
-                        lambda self, ids, cache: passes.append(1) or target_call(self, ids, cache))
+    steps_call = verifiers.OneRowSteps.__call__
+    monkeypatch.setattr(verifiers.OneRowSteps, "__call__",
+                        lambda self, ids, cache: passes.append(1) or steps_call(self, ids, cache))
     ids = tok.encode(PROMPTS[0])
     out = list(d.stream_generate(model, tok, ids, drafter, max_tokens=TOKENS, block_size=5, exact=True))
     assert [r.token for r in out] == plain_tokens(model, ids, TOKENS)[: len(out)]
@@ -164,8 +165,7 @@ def test_exact_prefill_is_chunked_as_mlx_lm_chunks_it(pair):
     """The prompt but its last token in prefill-step chunks, then that token alone: the cache
     and the first logits come from the same passes as mlx-lm's generate_step."""
     _, model, tok, drafter = pair
-    target = attach(model, drafter)
-    target.exact = "steps"
+    target = attach(model, drafter, exact="steps")
     seen = []
     real = type(target).__call__
     type(target).__call__ = lambda self, ids, cache: seen.append(ids.shape[1]) or real(self, ids, cache)
@@ -320,8 +320,7 @@ def test_the_row_exact_pass_on_each_family(tmp_path, monkeypatch, family, weight
         split_sums(model)
     v = exactness.probe(model, rows=[2, 5, 8])
     assert v.exact_pass, v.exact_pass_note
-    target = attach(model, drafter)
-    target.exact = "pass"
+    target = attach(model, drafter, exact="pass")
     for text in PROMPTS[:3]:
         ids = tok.encode(text)
         cache = target.make_cache()

@@ -194,6 +194,53 @@ def test_long_prompts_are_read_one_at_a_time_and_short_requests_pass_them(pair, 
     assert second == reference(second_ids, max_tokens=4)
 
 
+def test_a_prompt_in_line_that_begins_as_the_one_read_reads_only_the_rest(pair, monkeypatch):
+    """Two clients send the same long prompt together: the second waits while the first is
+    read, and when its turn comes it starts from what the first read (kept at once, not at
+    the end of the first's turn), so the prompt is read once, not twice; both replies are
+    their single streams', and the second's two lookups count as one."""
+    from dflash2_mlx.backend import batch_job
+    read = []  # tokens read by each chunk
+
+    real = PrefixCache.advance_steps
+
+    def counted(start, ids, *a, **kw):
+        before = start.tokens
+        for _ in real(start, ids, *a, **kw):
+            read.append(start.tokens - before)
+            before = start.tokens
+            time.sleep(0.01)  # a slow machine's chunk: the second request comes while the first is read
+            yield
+
+    monkeypatch.setattr(PrefixCache, "advance_steps", staticmethod(counted))
+    monkeypatch.setattr(prefix_cache, "PREFILL_CHUNK_SECONDS", 1e-6)
+    for name in ("MIN_CHUNK_SECONDS", "PREFILL_CHUNK_SECONDS"):  # chunks of 32 tokens in the batch
+        monkeypatch.setattr(batch_job, name, 1e-6)
+    target, drafter = pair
+    reference = worker_reference(target, drafter)
+    ids = long_ids(2000)
+
+    async def scenario():
+        e = engine_of(pair, max_batch=2, prefix_cache_gb=0.064)
+        await e.start()
+        try:
+            first = asyncio.ensure_future(asyncio.wait_for(_all(e.stream_ids(ids, max_tokens=4)), 120))
+            await until(lambda: len(read) >= 2)
+            second = asyncio.ensure_future(asyncio.wait_for(_all(e.stream_ids(ids, max_tokens=4)), 120))
+            replies = await first, await second
+            return replies, e.get_stats()
+        finally:
+            await e.stop()
+
+    (first, second), stats = asyncio.run(scenario())
+    assert sum(read) < 1.2 * len(ids), f"the prompt was read {sum(read) / len(ids):.1f} times"
+    assert first == second == reference(ids, max_tokens=4)
+    # One miss (the first's single stream), a hit for its handover to the batch (its caches
+    # pass through the prefix cache) and one for the second: its two lookups count once.
+    assert (stats["prefix_cache_misses"], stats["prefix_cache_hits"]) == (1, 2)
+    assert stats["prefix_cache_cached_tokens"] >= len(ids) - 1 - batch_job.READ_AT_ONCE
+
+
 async def _all(chunks) -> str:
     return "".join([c.text async for c in chunks])
 

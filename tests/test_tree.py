@@ -136,7 +136,7 @@ def test_a_recurrent_layer_without_a_known_mixer_verifies_chains(pairs):
     from mlx_lm.models.cache import ArraysCache
     model, tok, drafters = pairs["qwen3"]
     target = attach(model, drafters[2])
-    why = trees.fits(target, target.make_cache() + [ArraysCache(2)], 9)
+    why = target.verifiers.tree_fits(target.make_cache() + [ArraysCache(2)], 9)
     assert why == "recurrent layers without a mixer a tree pass reads"
 
 

@@ -119,7 +119,7 @@ class Reading:
     carry: Optional[Carry]
     ids: List[int]
     start: object
-    steps: object  # the generator reading the prompt, a chunk a step
+    steps: object  # the generator reading the prompt, a chunk a step (None: made when its turn comes)
     long: bool = False  # more than READ_AT_ONCE tokens to read: one such prompt is read at a time
     aside: bool = False  # waiting for another long prompt, its admission turn passed on
 
@@ -270,9 +270,13 @@ class Batching:
         # whose prompt is kept once read (``PrefixCache.read``: the turn's end cannot serve it).
         unread = len(ids) - 1 - start.tokens
         if (unread > READ_AT_ONCE or (windowed(start.cache) and unread > 0)) and e.lockstep is None:
-            steps = e.prefix_cache.advance_steps(start, ids[:-1], e.model, seconds=self.chunk_seconds,
-                                                 first=FIRST_CHUNK)
-            reading.append(Reading(request, push, carry, ids, start, steps, long=unread > READ_AT_ONCE))
+            long = unread > READ_AT_ONCE
+            r = Reading(request, push, carry, ids, start, None, long=long)
+            # A long prompt that waits its turn looks the prefix cache up again when it comes:
+            # the prompt read before it may begin as it does (``_share``).
+            if carry is not None or not long or not any(x.long for x in reading):
+                r.steps = self._chunks(r)
+            reading.append(r)
             return
         self._enter(gen, joined, request, push, carry, ids, start)
 
@@ -293,17 +297,39 @@ class Batching:
                 continue
             tic = time.perf_counter()
             try:
+                if r.steps is None:  # its turn came
+                    s = self.engine.settings
+                    r.start = self.engine.prefix_cache.again(r.start, r.ids, self.engine.model, self.engine.drafter,
+                                                             s.draft_window, s.draft_sink)
+                    r.steps = self._chunks(r)
                 next(r.steps)
                 took = time.perf_counter() - tic
                 if joined and self.cycle_seconds is not None and took > self.cycle_seconds:
                     self.owed += took * (1 - share) / share
             except StopIteration:
                 reading.remove(r)
+                self._share(r, reading)
                 self.engine.prefix_cache.read(r.ids[:-1], r.start)
                 self._enter(gen, joined, r.request, r.push, r.carry, r.ids, r.start)
             except Exception as ex:
                 reading.remove(r)
                 self._refuse(r.request, r.push, "error", ex)
+
+    def _chunks(self, r: Reading):
+        """The generator that reads ``r``'s prompt a chunk a step."""
+        return self.engine.prefix_cache.advance_steps(r.start, r.ids[:-1], self.engine.model,
+                                                      seconds=self.chunk_seconds, first=FIRST_CHUNK)
+
+    def _share(self, r: Reading, reading: list):
+        """A long prompt just read that a prompt waiting in line begins with goes to the prefix
+        cache now, not at the end of its turn: the one waiting then reads only the rest (an
+        agent's clients send the same long context together; read once each, the last in
+        line outwaits its client)."""
+        read = r.ids[:r.start.tokens]
+        for w in reading:
+            if w.long and w.steps is None and _common(read, w.ids) > w.start.reused + READ_AT_ONCE:
+                self._keep_read(r)
+                return
 
     def _readers(self, reading: list) -> list:
         """The prompts read this step: the short ones, and the first of the long ones.  The
@@ -438,3 +464,9 @@ class Batching:
             stats.add(prompt_tokens=n_prompt, finish_reason=j.finish or "abort")
         j.push(DONE)
         j.request.done.set_result(None)
+
+
+def _common(a: list, b: list) -> int:
+    """How many tokens ``a`` and ``b`` begin with alike."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -247,6 +247,21 @@ class PrefixCache:
                 self.store(ids[: len(ids) - 1], start)
         return start
 
+    def again(self, first: Start, ids: Sequence[int], model, drafter=None, window=None, sink: int = 0) -> Start:
+        """``first`` (a start of ``ids`` none of whose tokens were read yet) or, where the cache
+        now shares more of ``ids``, a start from there: a prompt that waited its turn to be
+        read while another was read, which may have been the same prompt.  The counters move
+        from the first lookup to this one (a request is one hit or one miss)."""
+        if not self.enabled or first.tokens > first.reused or recurrent(first.cache):
+            return first
+        again = self.start(ids, model, drafter, window, sink=sink)
+        kept, dropped = (again, first) if again.tokens > first.tokens else (first, again)
+        with self._lock:  # a request is counted once
+            self.hits -= dropped.reused > 0
+            self.misses -= dropped.reused == 0
+            self.cached_tokens -= dropped.reused
+        return kept
+
     def fits(self, entry: Entry, model, drafter=None) -> bool:
         """Whether ``entry`` (one read from disk) has the arrays the caches of ``model`` (and,
         for its draft rows, ``drafter``) take: a file whose header was edited would fail the

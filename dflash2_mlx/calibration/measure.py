@@ -99,7 +99,7 @@ class Passes:
                 mx.async_eval(token)
             mx.eval(token)
         elif tree is not None:
-            mx.eval(trees.tree_pass(self.target, tree, cache))
+            mx.eval(self.target.verifiers.tree(tree, cache))
             trees.compact(cache, b, list(range(b)))  # the recurrent layers leave the tree pass
         else:
             mx.eval(self.target(mx.zeros((1, b), dtype=mx.int32), cache))
@@ -223,7 +223,7 @@ def shaped(target, cache, rows: int, depth: int):
     a tree of one path (``loop/cycle.py``: its recurrent layers then keep every row's state).
     A hybrid's such passes cost more than a plain one over as many rows (the recurrence runs
     a depth at a time): priced as plain passes they would draw the policy to them."""
-    if trees.fits(target, cache, rows) is not None:
+    if target.verifiers.tree_fits(cache, rows) is not None:
         return None
     if rows in TREE_ROWS:  # depths 1..depth, over and over: a few deep paths and siblings
         depths = [0] + [(i - 1) % depth + 1 for i in range(1, rows)]

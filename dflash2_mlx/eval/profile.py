@@ -12,6 +12,7 @@ import time
 
 import mlx.core as mx
 
+from ..loop import verifiers
 from ..loop.draft_context import DraftContext
 from ..model.drafter import propose
 from ..request.sampling import SamplingParams
@@ -36,23 +37,21 @@ class Timed:
 
     def __init__(self, inner, times: dict, before: str, phase: str, inputs):
         self.inner, self.times, self.before, self.phase, self.inputs = inner, times, before, phase, inputs
+        if getattr(inner, "verifiers", None) is not None:  # a target: its verify passes timed too
+            verifiers.compose(self, inner.verifiers.exact)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def __call__(self, ids, cache):
+    def __call__(self, ids, cache, **kwargs):
         tic = time.perf_counter()
         mx.eval(self.inputs(ids, cache))
         mid = time.perf_counter()
-        out = self.inner(ids, cache)
+        out = self.inner(ids, cache, **kwargs)
         mx.eval(out)
         self.times[self.before] += mid - tic
         self.times[self.phase] += time.perf_counter() - mid
         return out
-
-    def verify_pass(self, ids, cache):
-        """The target's verify pass, through this wrapper's timed call."""
-        return type(self.inner).verify_pass(self, ids, cache)
 
 
 def _cache_states(cache):

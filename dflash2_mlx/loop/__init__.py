@@ -8,6 +8,8 @@ and accept rule: ``request/sampling.py``).
     kv_quant.py           mlx-lm's KV cache quantization as the cycle applies it
     stats.py              the draft statistics yielded with each token
     target.py             the target: tapped features, cache snapshot and rollback
+    verifiers.py          how it verifies: chain, row-exact pass, one-row steps, tree, path,
+                          composed in one place (``compose``)
     draft_context.py      the drafter's context of committed tokens (window, sinks)
     random_keys.py        per-sequence random keys
     lookup.py             copies: drafts copied from the sequence itself

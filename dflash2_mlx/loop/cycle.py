@@ -35,12 +35,12 @@ __all__ = ["CycleStats", "Sequence", "cycle", "dflash_steps", "prefill"]
 
 def prefill(target: Target, prompt: mx.array, cache, step: int = 2048, kv: Optional[KVQuantization] = None):
     """Run the prompt through the target in chunks; last logits and all features.  With KV
-    quantization (``kv``, quantizing after each call) or an exact target (``target.exact``)
+    quantization (``kv``, quantizing after each call) or exact verify (``target.verifiers.exact``)
     the chunks are mlx-lm's own: the prompt but its last token, and that token alone, so the
     cache and the first token's logits are computed as mlx-lm's decoding computes them."""
     feats = []
     chunks = [(i, min(i + step, prompt.size)) for i in range(0, prompt.size, step)]
-    if (kv is not None and kv.on) or target.exact:
+    if (kv is not None and kv.on) or target.verifiers.exact:
         chunks = [(i, min(i + step, prompt.size - 1)) for i in range(0, prompt.size - 1, step)]
         chunks.append((prompt.size - 1, prompt.size))
     for i, j in chunks:
@@ -85,11 +85,12 @@ class Sequence:
         takes the kept row's instead of reading the kept tokens again."""
         self.kv(self.cache)
         self.saved = snapshot(self.cache)
-        self.as_path = self.target.needs_replay(self.cache) and trees.fits(self.target, self.cache, block.size) is None
+        verifiers = self.target.verifiers
+        self.as_path = self.target.needs_replay(self.cache) and verifiers.tree_fits(self.cache, block.size) is None
         if self.as_path:
-            logits, features = trees.tree_pass(self.target, trees.path_tree(np.array(block)), self.cache)
+            logits, features = verifiers.path(block, self.cache)
         else:
-            logits, features = self.target.verify_pass(block[None], self.cache)
+            logits, features = verifiers.block(block[None], self.cache)
         return processed_logits(logits[0], self.history, block, self.processors), features
 
     def keep(self, block: mx.array, features: mx.array, n: int):
@@ -107,7 +108,7 @@ class Sequence:
         """One target pass over ``tree``'s nodes: their raw logits [n, V] and features."""
         self.kv(self.cache)
         self.saved = snapshot(self.cache)
-        logits, features = trees.tree_pass(self.target, tree, self.cache)
+        logits, features = self.target.verifiers.tree(tree, self.cache)
         return logits[0], features
 
     def keep_path(self, tree: trees.Tree, features: mx.array, path: List[int]):
@@ -283,7 +284,7 @@ class TreeBudget:
                                    f"at block {choice.block}, the chain gave the most tokens per second")
             nodes = 0 if seq.stats.chain_why else nodes
         if nodes:
-            seq.stats.chain_why = trees.fits(seq.target, seq.cache, nodes + 1)
+            seq.stats.chain_why = seq.target.verifiers.tree_fits(seq.cache, nodes + 1)
             nodes = 0 if seq.stats.chain_why else nodes
         return nodes
 

@@ -15,7 +15,7 @@ one pass) against the same one-row steps.  The calibration service runs it once 
 (target, machine, backend) and keeps the ``Verdict`` (``calibration/exactness.py``).
 ``exact=True`` (``generate``, ``--exact``) then costs nothing where the verdict is "exact";
 elsewhere each verify pass is the row-exact pass where the probe found it bit-identical to
-one-row steps, else one-row steps (``Target.verify_pass``).
+one-row steps, else one-row steps (``verifiers.py``).
 """
 
 from dataclasses import asdict, dataclass, field
@@ -26,6 +26,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .target import Target
+from .verifiers import RowExactPass
 
 ROWS = tuple(range(2, 17))  # every block size the loop drafts (copies verify up to 16 rows)
 
@@ -129,9 +130,10 @@ def probe(model, rows: Iterable[int] = ROWS, prompt_tokens: int = 48, seed: int 
 def _try_exact_pass(verify: Target, rest, one, rows, fresh, trimmable) -> tuple:
     """(whether the row-exact pass gave one-row steps' bits at every row count, what it found)."""
     try:
+        row_exact = RowExactPass(verify)
         for b in rows:
             c = fresh()
-            many = verify.exact_pass(rest[:, :b], c)[0][0].astype(mx.float32)
+            many = row_exact(rest[:, :b], c)[0][0].astype(mx.float32)
             d = float(mx.max(mx.abs(many - one[:b])).item())
             if trimmable:
                 for layer in c:

@@ -8,6 +8,8 @@ they are restored from a snapshot taken before verification and the accepted
 tokens are replayed through the target.  So are sliding-window caches once a verify pass
 reaches their window (it drops the oldest rows a trim would have to bring back).
 A pass over a few rows on the CPU splits its products over two streams (``cpu_split``).
+How the target verifies (a chain's pass, a row-exact pass, one-row steps, a tree) is its
+verifiers' (``verifiers.py``), composed when the target is made.
 
 A target split into a pipeline (``distributed/pipeline.py``: ``model.dflash_stage``) holds
 only some layers on each rank: each rank taps the layers it holds and its features are the
@@ -15,14 +17,14 @@ drafter's ``fc`` rows summed over the ranks (H wide, the drafter skips its ``fc`
 rollback replays is decided for the whole target, so every rank runs a replay together.
 """
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from ..machine import cpu_split
 from ..model.target_model import model_args, text_model
-from . import exact_pass
+from . import verifiers
 
 
 class UnsupportedTargetError(ValueError):
@@ -48,7 +50,7 @@ def _capturing(cls):
 class Target:
     """An mlx-lm model plus the layers a drafter reads."""
 
-    def __init__(self, model, layer_ids: Sequence[int]):
+    def __init__(self, model, layer_ids: Sequence[int], exact: Optional[str] = None):
         self.model = model
         tm = text_model(model)
         missing = [n for n in ("layers",) if not hasattr(model, n)]
@@ -61,13 +63,6 @@ class Target:
                 "DFlash needs an mlx-lm decoder with `layers` and `model.embed_tokens`"
             )
         self.layers = model.layers
-        # Exact verify (``exactness.py``), where this machine's multi-row passes round otherwise
-        # than one-row steps: None (off), "pass" (one pass whose rows are one-row steps',
-        # ``exact_pass.py``) or "steps" (one-row steps).
-        self.exact = None
-        self._row_exact = False  # the row-exact pass's classes installed (``exact_pass``)
-        self._tree_depths = None  # tree passes: the node depths the ropes read (``tree/``)
-        self._tree_recurrent = None  # ... and the tree the recurrent mixers read, their count
         self.stage = getattr(model, "dflash_stage", None)  # a pipeline stage: this rank's layers
         depth = len(self.layers) if self.stage is None else self.stage.depth
         bad = [i for i in layer_ids if not 0 <= i < depth]
@@ -94,7 +89,10 @@ class Target:
             # The final (gathered) hidden state, after which a pass's features are summed.
             self._final, self._norm, self._cols = [None], inner.norm, False
             tap(self._norm, (self._final, 0))
-        cpu_split.install(model)
+        # How it verifies (``exact``: None, "pass" or "steps", see ``verifiers.py``); the
+        # verifiers install what they change on the model and keep themselves here.
+        self.verifiers = None
+        verifiers.compose(self, exact)
 
     def project(self, drafter):
         """Pipeline: this rank's columns of the drafter's ``fc``; features come out through
@@ -161,29 +159,6 @@ class Target:
         self._taps[:] = [None] * len(self._taps)
         return logits, features
 
-    def one_row_steps(self, ids: mx.array, cache):
-        """``__call__``'s result for ``ids`` [1, L] computed as L one-row decode steps: the
-        rows, the cache entries and the features are those mlx-lm's decoding computes."""
-        outs = [self(ids[:, i : i + 1], cache) for i in range(ids.shape[1])]
-        return (mx.concatenate([o[0] for o in outs], axis=1),
-                mx.concatenate([o[1] for o in outs], axis=1))
-
-    def exact_pass(self, ids: mx.array, cache):
-        """``__call__``'s result for ``ids`` [1, L] in one pass whose products and mixers
-        run row by row (``exact_pass.py``; the probe says whether that is one-row steps' bits)."""
-        if not self._row_exact:  # the classes once, not every pass
-            exact_pass.install(self.model, self.layers)
-            self._row_exact = True
-        with exact_pass.rows():
-            return self(ids, cache, split=False)
-
-    def verify_pass(self, ids: mx.array, cache):
-        """A pass that verifies (or replays) ``ids``: one pass, or with ``exact`` a row-exact
-        pass or one-row steps."""
-        if self.exact and ids.shape[1] > 1:
-            return self.exact_pass(ids, cache) if self.exact == "pass" else self.one_row_steps(ids, cache)
-        return self(ids, cache)
-
     def staged_call(self, ids: mx.array, cache):
         if self._cols is False:
             raise ValueError("a target split into a pipeline gives the drafter's fc rows as its features: "
@@ -210,10 +185,10 @@ def tap(layer, slot: tuple):
     object.__setattr__(layer, "_dflash_tap", slot)
 
 
-def attach(model, drafter) -> Target:
+def attach(model, drafter, exact: Optional[str] = None) -> Target:
     """The target adapter that taps the drafter's layers, with the drafter bound to the
-    target's embedding and LM head."""
-    target = Target(model, drafter.config.target_layer_ids)
+    target's embedding and LM head (``exact``: how it verifies exact rows, ``verifiers.py``)."""
+    target = Target(model, drafter.config.target_layer_ids, exact)
     if target.stage is not None:
         target.project(drafter)
     vocab = drafter.vocab
@@ -256,5 +231,5 @@ def rollback(target: Target, cache, saved: list, fed: int, kept: mx.array):
             c.state = s
         else:
             c.cache, c.lengths = list(s[0]), s[1]
-    target.verify_pass(kept, cache)
+    target.verifiers.block(kept, cache)
     mx.eval([c.state for c in cache])

@@ -111,10 +111,12 @@ def _tree_wise(cls):
 
 def install(model) -> tuple:
     """Give ``model``'s recurrent mixers their tree-pass subclass: (the holder a tree pass
-    sets its tree in, how many mixers took it)."""
-    holder = [None]
+    sets its tree in, how many mixers took it).  A model installed before keeps its holder:
+    every tree verifier of the model then reaches its mixers."""
     mixers = [m for name, m in model.named_modules()
               if name.rsplit(".", 1)[-1] == RECURRENT and isinstance(m, nn.Module) and known(m)]
+    held = [m.__dict__["_dflash_tree"] for m in mixers if "_dflash_tree" in m.__dict__]
+    holder = held[0] if held else [None]
     for m in mixers:
         if not type(m).__name__.startswith("TreeWise"):
             m.__class__ = _tree_wise(type(m))

@@ -5,7 +5,8 @@ its row is the one the chain [anchor .. node] would compute.  Both go through ml
 interfaces, on the model instance: the mask through the cache's ``make_mask`` (each cache
 of the pass takes a subclass that returns the tree's mask, for the pass only), the positions
 through each attention's ``rope`` module (wrapped once: outside a tree pass it is the
-model's own call; inside, every row rotated at its node's position).
+model's own call; inside, every row rotated at its node's position).  ``TreePass``, the
+tree verifier, owns both; ``loop/verifiers.py`` says where it may run.
 
 After the pass the caches hold every node; ``compact`` moves the accepted path's entries to
 consecutive positions and trims the rest: a key at depth d was rotated at anchor + d, where
@@ -69,67 +70,74 @@ class TreeRope(nn.Module):
         return mx.concatenate(out, axis=-2)
 
 
-def install(target) -> bool:
-    """Wrap the target's attention ropes (once per model); False where it has none."""
-    if target._tree_depths is None:
-        ropes = [(m, m["rope"]) for _, m in target.model.named_modules()
-                 if isinstance(m.get("rope"), nn.Module)]
-        wrapped = [r for _, r in ropes if isinstance(r, TreeRope)]
-        depths = wrapped[0]._depths if wrapped else [None]
-        for module, rope in ropes:
-            if not isinstance(rope, TreeRope):
-                module.rope = TreeRope(rope, depths)
-        target._tree_depths = depths if ropes else None
-    return target._tree_depths is not None
+class TreePass:
+    """The tree verifier of one target: one pass over a tree's nodes.  It owns what it changes
+    on the model: the attention ropes' wrapper and the recurrent mixers' subclass, installed
+    at the first pass that needs them (once per model: a later verifier of the same model
+    reads the holders already there), and each attention cache's mask class, swapped for one
+    pass and swapped back after it."""
+    name = "tree"
 
+    def __init__(self, target):
+        self.target = target
+        self.depths = None  # the ropes' holder: [None] outside a pass, [node depths] inside
+        self.recurrent = None  # (the recurrent mixers' holder of the pass's tree, how many took it)
 
-def fits(target, cache: list, rows: int) -> Optional[str]:
-    """None if a tree pass of ``rows`` can run on ``cache``, else why not."""
-    if target.stage is not None:
-        return "a pipeline target verifies chains"
-    if target.exact:
-        return "exact verify reads one row at a time (a chain)"
-    layers = 0  # recurrent
-    for c in cache:
-        if isinstance(c, RotatingKVCache):
-            if c.offset + rows >= c.max_size:
-                return "the tree would reach a sliding window"
-        elif isinstance(c, ArraysCache):
-            layers += 1
-        elif not c.is_trimmable():
-            return "recurrent layers cannot take a tree"
-    if layers and target._tree_recurrent is None:
-        target._tree_recurrent = recurrent.install(target.model)
-    if layers and target._tree_recurrent[1] != layers:
-        return "recurrent layers without a mixer a tree pass reads"
-    if not install(target):
-        return "the target has no rope to place tree nodes"
-    return None
+    def fits(self, cache: list, rows: int) -> Optional[str]:
+        """None if a tree pass of ``rows`` can run on ``cache``, else why not."""
+        layers = 0  # recurrent
+        for c in cache:
+            if isinstance(c, RotatingKVCache):
+                if c.offset + rows >= c.max_size:
+                    return "the tree would reach a sliding window"
+            elif isinstance(c, ArraysCache):
+                layers += 1
+            elif not c.is_trimmable():
+                return "recurrent layers cannot take a tree"
+        if layers and self.recurrent is None:
+            self.recurrent = recurrent.install(self.target.model)
+        if layers and self.recurrent[1] != layers:
+            return "recurrent layers without a mixer a tree pass reads"
+        if not self._ropes():
+            return "the target has no rope to place tree nodes"
+        return None
 
+    def _ropes(self) -> bool:
+        """Wrap the target's attention ropes (once per model); False where it has none."""
+        if self.depths is None:
+            ropes = [(m, m["rope"]) for _, m in self.target.model.named_modules()
+                     if isinstance(m.get("rope"), nn.Module)]
+            wrapped = [r for _, r in ropes if isinstance(r, TreeRope)]
+            depths = wrapped[0]._depths if wrapped else [None]
+            for module, rope in ropes:
+                if not isinstance(rope, TreeRope):
+                    module.rope = TreeRope(rope, depths)
+            self.depths = depths if ropes else None
+        return self.depths is not None
 
-def tree_pass(target, tree: Tree, cache: list):
-    """Logits [1, n, V] and features [1, n, F] of the tree's nodes, each row as if its path
-    alone had been read."""
-    attention = [c for c in cache if not isinstance(c, ArraysCache)]
-    offset = attention[0].offset
-    n = tree.tokens.size
-    visible = np.concatenate([np.ones((n, offset), dtype=bool), tree.ancestors()], axis=1)
-    mask = mx.array(visible)
-    classes = []
-    for c in attention:
-        classes.append(type(c))
-        c.__class__ = _masking(type(c))
-        object.__setattr__(c, "_dflash_tree_mask", mask)
-    target._tree_depths[0] = mx.array(tree.depths.astype(np.int32))
-    holder = target._tree_recurrent[0] if target._tree_recurrent else [None]
-    holder[0] = tree
-    try:
-        return target(mx.array(tree.tokens[None].astype(np.int32)), cache)
-    finally:
-        target._tree_depths[0] = holder[0] = None
-        for c, cls in zip(attention, classes):
-            c.__class__ = cls
-            object.__delattr__(c, "_dflash_tree_mask")
+    def __call__(self, tree: Tree, cache: list):
+        """Logits [1, n, V] and features [1, n, F] of the tree's nodes, each row as if its
+        path alone had been read (``fits`` said yes for these caches)."""
+        attention = [c for c in cache if not isinstance(c, ArraysCache)]
+        offset = attention[0].offset
+        n = tree.tokens.size
+        visible = np.concatenate([np.ones((n, offset), dtype=bool), tree.ancestors()], axis=1)
+        mask = mx.array(visible)
+        classes = []
+        for c in attention:
+            classes.append(type(c))
+            c.__class__ = _masking(type(c))
+            object.__setattr__(c, "_dflash_tree_mask", mask)
+        self.depths[0] = mx.array(tree.depths.astype(np.int32))
+        holder = self.recurrent[0] if self.recurrent else [None]
+        holder[0] = tree
+        try:
+            return self.target(mx.array(tree.tokens[None].astype(np.int32)), cache)
+        finally:
+            self.depths[0] = holder[0] = None
+            for c, cls in zip(attention, classes):
+                c.__class__ = cls
+                object.__delattr__(c, "_dflash_tree_mask")
 
 
 def compact(cache: list, rows: int, path: List[int]):

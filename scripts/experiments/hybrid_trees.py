@@ -53,11 +53,11 @@ def per_cycle(model, drafter, prompt, tokens: int, block: int, budget) -> float:
     """Seconds per cycle (a plain step for block 1), the prompt's prefill left out; budget
     "replay": the chain verified by a plain pass (the tree pass refused)."""
     if budget == "replay":
-        fits, trees.fits = trees.fits, lambda *a: "replay"
+        fits, trees.TreePass.fits = trees.TreePass.fits, lambda *a: "replay"
         try:
             return per_cycle(model, drafter, prompt, tokens, block, None)
         finally:
-            trees.fits = fits
+            trees.TreePass.fits = fits
     target = attach(model, drafter)
     steps = speculative_generate_step(prompt, target, drafter, max_tokens=tokens, block_size=block,
                                       tree_budget=budget, lookup=False)
