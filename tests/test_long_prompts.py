@@ -45,6 +45,30 @@ def chunks_read(monkeypatch):
     return count
 
 
+@pytest.fixture
+def batch_chunks(monkeypatch):
+    """(prompt length, tokens read) of each chunk read, in order; chunks in the batch of 32
+    tokens (its least), each as slow as a slow machine's, so that a request sent meanwhile
+    comes while the prompt is read."""
+    from dflash2_mlx.backend import batch_job
+    chunks = []
+    real = PrefixCache.advance_steps
+
+    def counted(start, ids, *a, **kw):
+        before = start.tokens
+        for _ in real(start, ids, *a, **kw):
+            chunks.append((len(ids), start.tokens - before))
+            before = start.tokens
+            time.sleep(0.01)
+            yield
+
+    monkeypatch.setattr(PrefixCache, "advance_steps", staticmethod(counted))
+    monkeypatch.setattr(prefix_cache, "PREFILL_CHUNK_SECONDS", 1e-6)
+    for name in ("MIN_CHUNK_SECONDS", "PREFILL_CHUNK_SECONDS"):
+        monkeypatch.setattr(batch_job, name, 1e-6)
+    return chunks
+
+
 def engine_of(pair, max_batch=4, **settings):
     target, drafter = pair
     return Engine(target, ModelSettings(dflash_enabled=True, dflash_draft_model=str(drafter), **settings),
@@ -145,25 +169,12 @@ def test_a_short_request_is_answered_while_a_long_prompt_is_read(pair, chunks_re
     assert long.finish_reason == "length" and long.completion_tokens == 4
 
 
-def test_long_prompts_are_read_one_at_a_time_and_short_requests_pass_them(pair, monkeypatch):
+def test_long_prompts_are_read_one_at_a_time_and_short_requests_pass_them(pair, batch_chunks):
     """Two long prompts hold both of the batch's places: the second waits while the first is
     read (read together, each would take as long as both) and passes its place on, so a short
     request that comes meanwhile is answered before either long one; both replies are their
     single streams'."""
-    from dflash2_mlx.backend import batch_job
-    order = []  # the prompt length of each chunk read, in order
-    real = PrefixCache.advance_steps
-
-    def counted(start, ids, *a, **kw):
-        for _ in real(start, ids, *a, **kw):
-            order.append(len(ids))
-            time.sleep(0.01)  # a slow machine's chunk: the short request comes while they are read
-            yield
-
-    monkeypatch.setattr(PrefixCache, "advance_steps", staticmethod(counted))
-    monkeypatch.setattr(prefix_cache, "PREFILL_CHUNK_SECONDS", 1e-6)
-    for name in ("MIN_CHUNK_SECONDS", "PREFILL_CHUNK_SECONDS"):  # chunks of 32 tokens in the batch
-        monkeypatch.setattr(batch_job, name, 1e-6)
+    order = batch_chunks  # (prompt length, tokens read) of each chunk, in order
     target, drafter = pair
     reference = worker_reference(target, drafter)
     first_ids, second_ids = long_ids(2000), long_ids(1800)[::-1]
@@ -188,34 +199,20 @@ def test_long_prompts_are_read_one_at_a_time_and_short_requests_pass_them(pair, 
     assert not long_done, "the short request waited for a long prompt to be read"
     # The first prompt is read to its end (by its single stream, then in the batch) before
     # any chunk of the second.
-    switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
-    assert switches == 1, f"the long prompts were read in turns: {order}"
+    lengths = [n for n, _ in order]
+    switches = sum(1 for a, b in zip(lengths, lengths[1:]) if a != b)
+    assert switches == 1, f"the long prompts were read in turns: {lengths}"
     assert first == reference(first_ids, max_tokens=4)
     assert second == reference(second_ids, max_tokens=4)
 
 
-def test_a_prompt_in_line_that_begins_as_the_one_read_reads_only_the_rest(pair, monkeypatch):
+def test_a_prompt_in_line_that_begins_as_the_one_read_reads_only_the_rest(pair, batch_chunks):
     """Two clients send the same long prompt together: the second waits while the first is
     read, and when its turn comes it starts from what the first read (kept at once, not at
     the end of the first's turn), so the prompt is read once, not twice; both replies are
     their single streams', and the second's two lookups count as one."""
     from dflash2_mlx.backend import batch_job
-    read = []  # tokens read by each chunk
-
-    real = PrefixCache.advance_steps
-
-    def counted(start, ids, *a, **kw):
-        before = start.tokens
-        for _ in real(start, ids, *a, **kw):
-            read.append(start.tokens - before)
-            before = start.tokens
-            time.sleep(0.01)  # a slow machine's chunk: the second request comes while the first is read
-            yield
-
-    monkeypatch.setattr(PrefixCache, "advance_steps", staticmethod(counted))
-    monkeypatch.setattr(prefix_cache, "PREFILL_CHUNK_SECONDS", 1e-6)
-    for name in ("MIN_CHUNK_SECONDS", "PREFILL_CHUNK_SECONDS"):  # chunks of 32 tokens in the batch
-        monkeypatch.setattr(batch_job, name, 1e-6)
+    chunks = batch_chunks  # (prompt length, tokens read) of each chunk, in order
     target, drafter = pair
     reference = worker_reference(target, drafter)
     ids = long_ids(2000)
@@ -225,7 +222,7 @@ def test_a_prompt_in_line_that_begins_as_the_one_read_reads_only_the_rest(pair, 
         await e.start()
         try:
             first = asyncio.ensure_future(asyncio.wait_for(_all(e.stream_ids(ids, max_tokens=4)), 120))
-            await until(lambda: len(read) >= 2)
+            await until(lambda: len(chunks) >= 2)
             second = asyncio.ensure_future(asyncio.wait_for(_all(e.stream_ids(ids, max_tokens=4)), 120))
             replies = await first, await second
             return replies, e.get_stats()
@@ -233,7 +230,8 @@ def test_a_prompt_in_line_that_begins_as_the_one_read_reads_only_the_rest(pair, 
             await e.stop()
 
     (first, second), stats = asyncio.run(scenario())
-    assert sum(read) < 1.2 * len(ids), f"the prompt was read {sum(read) / len(ids):.1f} times"
+    read = sum(k for _, k in chunks)
+    assert read < 1.2 * len(ids), f"the prompt was read {read / len(ids):.1f} times"
     assert first == second == reference(ids, max_tokens=4)
     # One miss (the first's single stream), a hit for its handover to the batch (its caches
     # pass through the prefix cache) and one for the second: its two lookups count once.
