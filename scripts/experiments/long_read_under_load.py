@@ -35,7 +35,7 @@ def main():
     data = inputs(cfg)
     server = Server(args.out, cfg, args.home or args.out / "home")
     print(f"server started in {server.start():.1f} s (pid {server.proc.pid})", flush=True)
-    stop, gaps, spans = threading.Event(), [], []
+    stop, spans = threading.Event(), []
     try:
         c = Clients(server.base)
         tic = time.time()
