@@ -40,6 +40,7 @@ from ..loop.target import attach, snapshot
 # A prompt is read in chunks of about this many seconds, each a step of the worker (solo and
 # batch): other requests decode between them, and a request given up stops within one.
 PREFILL_CHUNK_SECONDS = 0.5
+LEAST_BESIDE = 16  # tokens of a chunk read beside decoding requests, at least
 
 # glibc's malloc_trim, where there is one (None elsewhere: macOS, musl).  CDLL(None) is the
 # process's own symbols, libc's among them: no library search at import.
@@ -336,8 +337,10 @@ class PrefixCache:
             took = time.perf_counter() - tic
             aim = target_seconds()
             # Below 32 tokens a pass reads its weights for little; only a chunk bounded by
-            # other requests' cycles (less than the default time) goes below.
-            least = 32 if aim >= PREFILL_CHUNK_SECONDS else 1
+            # other requests' cycles (less than the default time) goes below, to LEAST_BESIDE:
+            # smaller, each chunk is mostly that pass, and a long prompt read beside busy
+            # requests takes many times its time alone (its client gives up first).
+            least = 32 if aim >= PREFILL_CHUNK_SECONDS else LEAST_BESIDE
             step = max(least, min(most, int((end - start.tokens) * aim / max(took, 1e-4))))
             start.tokens = end
             yield
