@@ -696,7 +696,7 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
     gap = lambda rows: p95([g for r in rows for g in r["gaps"]])
     spans = [(s["sent"], s["t"]) for s in log.long]
     alone = lambda rows: [r for r in rows if not any(a < r["t"] and b > r["t"] - r["seconds"] for a, b in spans)]
-    gaps = [gap(alone(first)), gap(alone(last))]
+    gaps, every = [gap(alone(first)), gap(alone(last))], [gap(first), gap(last)]
     aborted = sum((m.get("aborted_requests") or 0) for m in (final.get("models") or {}).values())
     hang_after_kill = [r for r in hang if kill is None or r["t"] > kill["t"]]
     boot = soak.boot_s
@@ -725,7 +725,7 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
                                   "ok": _within(short_ttft(first), short_ttft(last)), "want": "last within 1.5x of first"},
         "p95_token_gap_stable": {"value": gaps, "ok": None not in gaps and _within(*gaps),
                                  "want": "last within 1.5x of first, replies decoded with no long prompt in the server "
-                                         f"(all replies: {_fmt(gap(first))}, {_fmt(gap(last))})"},
+                                         f"(all replies: {_fmt(every[0])}, {_fmt(every[1])})"},
     }
     if kill is not None:
         lines["restart_answers_in_time"] = {
@@ -761,9 +761,12 @@ def rss_growth(samples: List[dict]) -> List[float]:
             continue
         rows = rows[int(len(rows) * WARM_UP) + 1:]
         k = max(1, len(rows) // 5)
-        floor = lambda xs: sorted(xs)[int(FLOOR * len(xs))]  # noqa: E731
-        growth.append(floor(rows[-k:]) / floor(rows[:k]) - 1)
+        growth.append(_floor(rows[-k:]) / _floor(rows[:k]) - 1)
     return growth
+
+
+def _floor(xs: List[int]) -> int:
+    return sorted(xs)[int(FLOOR * len(xs))]
 
 
 def _fmt(x) -> str:

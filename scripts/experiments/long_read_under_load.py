@@ -58,8 +58,9 @@ def main():
         time.sleep(30)
         spy = None
         if args.profile:
-            spy = subprocess.Popen([shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(server.proc.pid), "--format", "raw",
-                                    "--threads", "--rate", "20", "--output", str(args.out / "profile.txt")],
+            spy_bin = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            spy = subprocess.Popen([spy_bin, "record", "--pid", str(server.proc.pid), "--format", "raw", "--threads",
+                                    "--rate", "20", "--output", str(args.out / "profile.txt")],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         t0 = time.time()
         text = data["long"][args.long]["text"]
