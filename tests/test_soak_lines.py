@@ -2,7 +2,7 @@
 caches of the long prompts in flight when a sample is taken), and token gaps over time (not
 the mix of contexts decoding together).  Built from logged rows, no server."""
 
-from dflash2_mlx.eval.soak import Soak, SoakConfig, rss_growth, summarize
+from dflash2_mlx.eval.soak import Soak, SoakConfig, failed_lines, markdown, rss_growth, summarize, unjudged_lines
 
 GB = 2**30
 
@@ -49,3 +49,27 @@ def test_the_gap_line_compares_replies_decoded_with_no_long_prompt_in_the_server
 def test_the_gap_line_fails_when_like_replies_slow_down(tmp_path):
     line = gap_line(tmp_path, 0.9)
     assert not line["ok"] and line["value"] == [0.5, 0.9], line
+
+
+def lines_with_an_empty_first_window(tmp_path, minutes):
+    """Replies only after the first window (a sixth of the run, at most ten minutes)."""
+    soak = Soak(SoakConfig(minutes=minutes, kill=False, reload=False), tmp_path)
+    span = minutes * 60
+    soak.log.requests += [reply(span * (0.5 + i / 40), 5, 0.5, kind="short") for i in range(20)]
+    soak.log.samples += samples(1, 2 * GB, lambda i: False)
+    return summarize(soak, [], {}, None)
+
+
+def test_a_smoke_run_too_short_for_its_windows_says_its_timing_lines_are_not_judged(tmp_path):
+    # A one-minute run's windows are 10 s; its first short reply comes after that.
+    report = lines_with_an_empty_first_window(tmp_path, 1)
+    assert unjudged_lines(report) == ["p95_ttft_short_stable", "p95_token_gap_stable"], report["lines"]
+    assert failed_lines(report) == [], report["lines"]
+    assert "not judged" in markdown(report) and "| yes |" in markdown(report)
+
+
+def test_an_hour_with_no_reply_in_a_window_fails_its_timing_lines(tmp_path):
+    # An hour whose first ten minutes hold no reply stalled: that is not "not judged".
+    report = lines_with_an_empty_first_window(tmp_path, 60)
+    assert {"p95_ttft_short_stable", "p95_token_gap_stable"} <= set(failed_lines(report)), report["lines"]
+    assert unjudged_lines(report) == [], report["lines"]
