@@ -203,7 +203,7 @@ def soak(
     faults (hang-ups, bad and oversize requests, a settings reload, a kill -9): replies checked
     against plain decoding, RSS, disk tier, counters and latency sampled.  Exits 1 when an
     expectation does not hold."""
-    from ..eval.soak import SoakConfig, failed_lines, markdown, run_soak, unjudged_lines, write_report
+    from ..eval.soak import JUDGED_MINUTES, SoakConfig, failed_lines, markdown, run_soak, unjudged_lines, write_report
 
     if minutes <= 0 or clients < 1 or max_tokens < 1:
         raise typer.BadParameter("--minutes must be > 0, --clients and --max-tokens >= 1")
@@ -218,7 +218,7 @@ def soak(
     unjudged, failed = unjudged_lines(holder["report"]), failed_lines(holder["report"])
     if unjudged:
         typer.echo("note: not judged in a run this short (its first and last windows held no such reply; "
-                   "run 10 minutes or more): " + ", ".join(unjudged), err=True)
+                   f"run {JUDGED_MINUTES} minutes or more): " + ", ".join(unjudged), err=True)
     if failed:
         typer.echo("!!! expectations that did not hold: " + ", ".join(failed), err=True)
         raise typer.Exit(1)

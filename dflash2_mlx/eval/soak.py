@@ -701,6 +701,7 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
     spans = [(s["sent"], s["t"]) for s in log.long]
     alone = lambda rows: [r for r in rows if not any(a < r["t"] and b > r["t"] - r["seconds"] for a, b in spans)]
     gaps, every = [gap(alone(first)), gap(alone(last))], [gap(first), gap(last)]
+    ttfts = [short_ttft(first), short_ttft(last)]
     aborted = sum((m.get("aborted_requests") or 0) for m in (final.get("models") or {}).values())
     hang_after_kill = [r for r in hang if kill is None or r["t"] > kill["t"]]
     boot = soak.boot_s
@@ -725,9 +726,7 @@ def summarize(soak: Soak, hung: List[str], final: dict, margin: Optional[float])
         "errors_only_at_the_kill": {"value": f"{sum(not r['during_kill'] for r in errors)} outside, "
                                              f"{sum(r['during_kill'] for r in errors)} at the kill",
                                     "ok": not any(not r["during_kill"] for r in errors), "want": "none outside"},
-        "p95_ttft_short_stable": {"value": [short_ttft(first), short_ttft(last)],
-                                  "ok": _stable(short_ttft(first), short_ttft(last), span),
-                                  "want": "last within 1.5x of first"},
+        "p95_ttft_short_stable": {"value": ttfts, "ok": _stable(*ttfts, span), "want": "last within 1.5x of first"},
         "p95_token_gap_stable": {"value": gaps, "ok": _stable(*gaps, span),
                                  "want": "last within 1.5x of first, replies decoded with no long prompt in the server "
                                          f"(all replies: {_fmt(every[0])}, {_fmt(every[1])})"},
